@@ -1,0 +1,338 @@
+"""The Python export API: one call writes every format and proves parity.
+
+    from exporter import export_spec, verify_export
+    result = export_spec("fixtures/cartpole_mlp", "out/cartpole")
+    result.parity.passed, [r.max_abs_err for r in result.parity.records]
+    verify_export("out/cartpole").raise_if_failed()
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
+from exporter.context import DEFAULT_OPSET, ExportContext, FormatRecord
+from exporter.devices import DevicePlan, plan_devices
+from exporter.parity import (
+    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, run_batched, sample_observations,
+)
+from exporter.staging import check_target, staged_directory
+from policy.errors import CheckFailedError, ExportError, InputError
+from policy.spaces import leaves, space_to_json
+from signatures.builder import build_signature
+from signatures.contract import Contract
+
+log = logging.getLogger(__name__)
+
+ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "keras")
+SUPPORTED_OPSETS = range(13, 22)
+PARITY_DIR = "parity"
+MODEL_IO_PREFIX = "base_model/"
+_WRITERS = {
+    "saved_model": (saved_model.write, saved_model.DIRNAME),
+    "frozen_graph": (frozen_graph.write, frozen_graph.FILENAME),
+    "onnx": (onnx_model.write, onnx_model.FILENAME),
+    "keras": (keras_model.write, keras_model.DIRNAME),
+}
+
+
+class ParityFailedError(CheckFailedError):
+    """Parity or file checks failed; ``report`` holds every record, ``problems`` the file issues."""
+
+    def __init__(self, message: str, report: ParityReport | None, problems: Sequence[str] = ()):
+        super().__init__(message)
+        self.report = report
+        self.problems = list(problems)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_policy` wrote."""
+
+    path: Path
+    formats: dict[str, FormatRecord]
+    files: list[dict[str, Any]]
+    parity: ParityReport
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify_export` found: file problems and the parity of each format."""
+
+    path: Path
+    file_problems: list[str]
+    parity: ParityReport
+
+    @property
+    def passed(self) -> bool:
+        return not self.file_problems and self.parity.passed
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`ParityFailedError` naming every problem."""
+        if not self.passed:
+            parts = list(self.file_problems) + [r.describe() for r in self.parity.failures()]
+            raise ParityFailedError(f"verify {self.path} failed: " + "; ".join(parts), self.parity, self.file_problems)
+
+
+def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
+    """Validate a format list; ``onnx`` needs the frozen graph, which is then made anyway."""
+    if formats is None:
+        return ALL_FORMATS
+    unknown = [f for f in formats if f not in ALL_FORMATS]
+    if unknown or not formats:
+        raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
+    return tuple(f for f in ALL_FORMATS if f in formats)
+
+
+def export_policy(
+    policy,
+    out: str | Path,
+    *,
+    formats: Sequence[str] | None = None,
+    opset: int = DEFAULT_OPSET,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+    tolerances: Tolerances | None = None,
+    device: str | DevicePlan = "auto",
+    overwrite: bool = False,
+    batch_size: int = DEFAULT_BATCH,
+) -> ExportResult:
+    """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
+
+    Every format is compared with the TF session on ``samples`` observations sampled from the
+    observation space with ``seed``; the export is renamed into place only if parity passes.
+
+    Returns:
+        ExportResult with the format records, file list, parity report and manifest.
+    Raises:
+        ParityFailedError: an output differs beyond its tolerance (nothing is written).
+        ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
+    """
+    formats = resolve_formats(formats)
+    if opset not in SUPPORTED_OPSETS:
+        raise InputError(f"opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
+    if samples < 1:
+        raise InputError(f"samples must be at least 1, got {samples}")
+    plan = device if isinstance(device, DevicePlan) else plan_devices(device)
+    tolerances = tolerances or Tolerances()
+    out = Path(out)
+    check_target(out.absolute(), overwrite)
+
+    signature = build_signature(policy)
+    unknown_tol = sorted(set(tolerances.per_output) - set(signature.contract.output_keys))
+    if unknown_tol:
+        raise InputError(f"tolerance given for unknown output(s) {unknown_tol}; outputs are {signature.contract.output_keys}")
+    if "keras" in formats and policy.model is None:
+        formats = tuple(f for f in formats if f != "keras")
+        log.info("the policy has no Keras base model: skipping the keras format")
+    ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset)
+
+    with staged_directory(out, overwrite) as stage:
+        records: dict[str, FormatRecord] = {}
+        for fmt in formats:
+            writer, name = _WRITERS[fmt]
+            log.info("writing %s", fmt)
+            records[fmt] = writer(ctx, stage / name)
+        golden_in = _golden_inputs(policy, signature.contract, samples, seed)
+        golden_out = _reference_outputs(policy, golden_in, batch_size)
+        report = ParityReport("tf_session", samples, seed, _device_info(plan))
+        _check_formats(stage, formats, signature.tensor_names(), plan, golden_in, golden_out,
+                       signature.contract, tolerances, batch_size, report)
+        _write_golden(stage, golden_in, golden_out, report)
+        doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
+        manifest.write_manifest(stage, doc)
+        if not report.passed:
+            raise ParityFailedError(
+                "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures()), report
+            )
+    return ExportResult(out, records, doc["files"], report, doc)
+
+
+def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto", **options: Any) -> ExportResult:
+    """Load a spec (directory or ``policy.json``), build its policy and :func:`export_policy` it."""
+    from policy.spec import load_spec
+    from policy.tf_policy import TFPolicy
+
+    plan = plan_devices(device)
+    check_target(Path(out).absolute(), options.get("overwrite", False))
+    policy = TFPolicy.from_spec(load_spec(spec_path), device=plan.tf_device)
+    try:
+        return export_policy(policy, out, device=plan, **options)
+    finally:
+        policy.close()
+
+
+def verify_export(
+    out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
+    tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
+) -> VerifyResult:
+    """Check an export: file hashes, then every format fresh from disk against the golden outputs.
+
+    With ``samples > 0``, also draws that many new observations and compares each format with
+    the SavedModel on them.
+
+    Raises:
+        ExportError: ``out`` is not an export.
+    """
+    out = Path(out)
+    doc = manifest.read_manifest(out)
+    problems = manifest.check_files(out, doc)
+    plan = plan_devices(device)
+    tolerances = tolerances or Tolerances.from_json(doc["tolerances"])
+    contract = Contract.from_json(doc["contract"])
+    report = ParityReport("golden_outputs", 0, seed, _device_info(plan))
+    golden_dir = out / PARITY_DIR
+    if (golden_dir / "inputs.npz").is_file() and (golden_dir / "outputs.npz").is_file():
+        golden_in = _load_npz(golden_dir / "inputs.npz")
+        golden_out = _load_npz(golden_dir / "outputs.npz")
+        report.samples = len(next(iter(golden_in.values())))
+        formats = [f for f in doc["formats"] if (out / _WRITERS[f][1]).exists()]
+        _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
+                       contract, tolerances, batch_size, report)
+    if samples > 0 and "saved_model" in doc["formats"]:
+        _check_fresh_samples(out, doc, contract, plan, samples, seed, tolerances, batch_size, report)
+    return VerifyResult(out, problems, report)
+
+
+# ---------------------------------------------------------------------------- internals
+
+
+def _golden_inputs(policy, contract: Contract, n: int, seed: int) -> dict[str, np.ndarray]:
+    feeds = sample_observations(policy.observation_space, n, seed)
+    rng = np.random.default_rng(seed)
+    for spec in contract.required_inputs:
+        if spec.key in feeds:
+            continue
+        shape = (n, *(1 if d is None else d for d in spec.shape[1:]))
+        dtype = np.dtype(spec.dtype)
+        if np.issubdtype(dtype, np.floating):
+            feeds[spec.key] = rng.standard_normal(shape).astype(dtype)
+        else:
+            feeds[spec.key] = np.zeros(shape, dtype)
+    return feeds
+
+
+def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    out = run_batched(policy.run, feeds, batch_size)
+    if policy.model_io is not None:
+        model_in, model_out = policy.model_io
+        names = [t.name.split(":")[0] for t in policy.model.inputs]
+
+        def run_io(batch):
+            values = policy.session.run(list(model_in) + list(model_out),
+                                        {policy.inputs[k]: v for k, v in batch.items()})
+            ins = {f"{MODEL_IO_PREFIX}{n}": v for n, v in zip(names, values[: len(model_in)])}
+            return {**ins, f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}": values[-1]}
+
+        out.update(run_batched(run_io, feeds, batch_size))
+    return out
+
+
+def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
+                   golden_in: Mapping[str, np.ndarray], golden_out: Mapping[str, np.ndarray],
+                   contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
+    keys = contract.output_keys
+    for fmt in formats:
+        if fmt == "keras":
+            _check_keras(root, golden_out, tolerances, batch_size, report)
+            continue
+        runner = _load_runner(fmt, root, tensor_names, plan)
+        if fmt == "onnx":
+            report.devices["onnxruntime_providers_used"] = list(runner.providers)
+        got = run_batched(runner, golden_in, batch_size)
+        report.records.extend(compare(fmt, golden_out, got, tolerances, keys))
+        getattr(runner, "close", lambda: None)()
+
+
+def _load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
+    if fmt == "saved_model":
+        return saved_model.load(root, plan)
+    if fmt == "frozen_graph":
+        return frozen_graph.load(root, tensor_names, plan)
+    if fmt == "onnx":
+        return onnx_model.load(root, plan)
+    raise ExportError(f"no runner for format {fmt!r}")
+
+
+def _check_keras(root: Path, golden_out: Mapping[str, np.ndarray], tolerances: Tolerances,
+                 batch_size: int, report: ParityReport) -> None:
+    ins = {k[len(MODEL_IO_PREFIX):]: v for k, v in golden_out.items()
+           if k.startswith(MODEL_IO_PREFIX) and not k.endswith(keras_model.MODEL_OUTPUT)}
+    ref_key = f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}"
+    if ref_key not in golden_out:
+        return
+    reference = {keras_model.MODEL_OUTPUT: golden_out[ref_key]}
+    for fmt, runner in keras_model.load(root).items():
+        got = run_batched(runner, ins, batch_size)
+        report.records.extend(compare(fmt, reference, got, tolerances))
+
+
+def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, plan: DevicePlan, samples: int,
+                         seed: int, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
+    from policy.spaces import space_from_json
+
+    space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(out / manifest.MANIFEST))
+    feeds = sample_observations(space, samples, seed)
+    feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
+    reference_runner = saved_model.load(out, plan)
+    reference = run_batched(reference_runner, feeds, batch_size)
+    reference_runner.close()
+    for fmt in doc["formats"]:
+        if fmt in ("saved_model", "keras"):
+            continue
+        runner = _load_runner(fmt, out, doc["tensor_names"], plan)
+        got = run_batched(runner, feeds, batch_size)
+        report.records.extend(compare(f"{fmt}~saved_model", reference, got, tolerances, contract.output_keys))
+
+
+def _write_golden(root: Path, golden_in, golden_out, report: ParityReport) -> None:
+    d = root / PARITY_DIR
+    d.mkdir()
+    np.savez(d / "inputs.npz", **golden_in)
+    np.savez(d / "outputs.npz", **golden_out)
+    (d / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path} is not a readable .npz file: {e}") from e
+
+
+def _device_info(plan: DevicePlan) -> dict[str, Any]:
+    return plan.to_json()
+
+
+def _manifest(policy, signature, records: Mapping[str, FormatRecord], opset: int, tolerances: Tolerances,
+              report: ParityReport, root: Path) -> dict[str, Any]:
+    obs_keys = {leaf.key("observations"): list(leaf.path) for leaf in leaves(policy.observation_space)}
+    act_keys = {f"actions_{i}": list(leaf.path) for i, leaf in enumerate(leaves(policy.action_space))}
+    return {
+        "manifest_version": manifest.MANIFEST_VERSION,
+        "name": policy.name,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": manifest.versions(),
+        "opset": opset,
+        "spaces": {"observation": space_to_json(policy.observation_space),
+                   "action": space_to_json(policy.action_space)},
+        "keys": {"observations": obs_keys, "actions": act_keys},
+        "contract": signature.contract.to_json(),
+        "tensor_names": signature.tensor_names(),
+        "formats": {name: {"files": list(r.files), **r.details} for name, r in records.items()},
+        "tolerances": tolerances.to_json(),
+        "parity": {"passed": report.passed, "reference": report.reference, "samples": report.samples,
+                   "seed": report.seed, "devices": report.devices,
+                   "max_abs_err": {f"{r.format}/{r.key}": r.max_abs_err for r in report.records}},
+        "files": manifest.file_records(root),
+    }

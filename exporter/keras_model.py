@@ -1,0 +1,127 @@
+"""The Keras base model on its own: a Keras SavedModel, a ``.keras`` file and an ``.h5`` file.
+
+The model is rebuilt from its config in eager mode and given the session's weights, so the
+files hold exactly the weights the policy runs with. Loading for checks never deserialises code:
+configs are checked to hold built-in layers only, ``.keras`` loads in safe mode, and the
+SavedModel is called through its serving signature with ``tf.saved_model.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import tensorflow as tf
+
+from exporter.context import ExportContext, FormatRecord
+from policy.errors import ExportError
+
+DIRNAME = "keras"
+SAVED_MODEL = "saved_model"
+KERAS_FILE = "base_model.keras"
+H5_FILE = "base_model.h5"
+FORMATS = {"keras_saved_model": SAVED_MODEL, "keras_v3": KERAS_FILE, "keras_h5": H5_FILE}
+MODEL_OUTPUT = "base_model_out"
+
+
+def write(ctx: ExportContext, target: Path) -> FormatRecord:
+    """Write the three Keras files of the policy's base model under ``target`` (a directory).
+
+    Raises:
+        ExportError: the policy has no Keras base model, or Keras fails to save (never only a warning).
+    """
+    import tf_keras as keras
+
+    policy = ctx.policy
+    if policy.model is None:
+        raise ExportError("the policy has no Keras base model; leave 'keras' out of the formats")
+    if not tf.executing_eagerly():
+        raise ExportError("the Keras formats are written in eager mode; call export outside a graph context")
+    weights = policy.session.run(policy.model.weights)
+    target.mkdir()
+    try:
+        model = keras.Model.from_config(policy.model.get_config())
+        model.set_weights(weights)
+        model.save(str(target / SAVED_MODEL), save_format="tf", include_optimizer=False)
+        model.save(str(target / KERAS_FILE), save_format="keras")
+        model.save(str(target / H5_FILE), save_format="h5", include_optimizer=False)
+    except Exception as e:  # Keras raises many kinds; none may pass as a warning
+        raise ExportError(f"saving the Keras base model failed: {type(e).__name__}: {e}") from e
+    finally:
+        keras.backend.clear_session()
+    names = [t.name.split(":")[0] for t in policy.model.inputs]
+    return FormatRecord("keras", tuple(f"{target.name}/{p}" for p in FORMATS.values()),
+                        {"files": FORMATS, "inputs": names, "output": MODEL_OUTPUT})
+
+
+def check_config_safe(config: Any, source: str) -> None:
+    """Refuse a model config with Lambda or non-built-in layers (they would run code from the file)."""
+    import tf_keras as keras
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            cls = node.get("class_name")
+            if isinstance(cls, str) and "config" in node and ("layers" in node.get("config", {}) or "name" in node.get("config", {})):
+                if cls == "Lambda" or not (hasattr(keras.layers, cls) or cls in ("Functional", "Model", "Sequential")):
+                    raise ExportError(f"{source}: layer class {cls!r} is not a built-in layer; refusing to load it")
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(config)
+
+
+def _read_config(path: Path) -> Any:
+    try:
+        if path.suffix == ".keras":
+            with zipfile.ZipFile(path) as z:
+                return json.loads(z.read("config.json"))
+        with h5py.File(path, "r") as f:
+            raw = f.attrs.get("model_config")
+            return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    except Exception as e:  # zip, h5 and JSON errors alike mean "not a model file"
+        raise ExportError(f"{path} is not a readable Keras model file: {e}") from e
+
+
+class KerasRunner:
+    """Runs one Keras file on base-model inputs keyed by input name; returns ``base_model_out``."""
+
+    def __init__(self, path: Path):
+        import tf_keras as keras
+
+        self.path = path
+        try:
+            if path.is_dir():
+                loaded = tf.saved_model.load(str(path))
+                self._fn = loaded.signatures["serving_default"]
+                self._model = None
+                self._keep = loaded
+            else:
+                check_config_safe(_read_config(path), str(path))
+                kwargs = {"safe_mode": True} if path.suffix == ".keras" else {}
+                self._model = keras.models.load_model(str(path), compile=False, **kwargs)
+        except ExportError:
+            raise
+        except Exception as e:  # loaders raise many kinds
+            raise ExportError(f"cannot load Keras model {path}: {type(e).__name__}: {e}") from e
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._model is not None:
+            args = [feeds[t.name.split(":")[0]] for t in self._model.inputs]
+            out = self._model(args[0] if len(args) == 1 else args, training=False)
+        else:
+            result = self._fn(**{k: tf.constant(v) for k, v in feeds.items()})
+            out = next(iter(result.values()))
+        return {MODEL_OUTPUT: np.asarray(out)}
+
+
+def load(export_dir: Path) -> dict[str, KerasRunner]:
+    """One runner per Keras file of an export, keyed ``keras_saved_model``, ``keras_v3``, ``keras_h5``."""
+    return {fmt: KerasRunner(export_dir / DIRNAME / name) for fmt, name in FORMATS.items()}

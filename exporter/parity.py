@@ -1,0 +1,189 @@
+"""Parity: run formats on the same inputs as the TF session and compare every output.
+
+Comparison returns data (:class:`ParityReport`, one :class:`OutputParity` per format and
+output); :meth:`ParityReport.raise_if_failed` decides. Float outputs pass when
+``|a - b| <= atol + rtol * |b|`` element-wise (b the reference); integer and bool outputs must be
+identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from policy.errors import CheckFailedError, InputError
+from policy.spaces import leaf_dtype, leaves
+
+DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-5
+DEFAULT_SAMPLES = 1000
+DEFAULT_BATCH = 256
+
+Runner = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+
+    @classmethod
+    def parse(cls, text: str) -> "Tolerance":
+        """``"ATOL"`` or ``"ATOL:RTOL"``."""
+        parts = text.split(":")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise InputError(f"tolerance {text!r}: expected ATOL or ATOL:RTOL as numbers") from None
+        if len(values) not in (1, 2) or any(not math.isfinite(v) or v < 0 for v in values):
+            raise InputError(f"tolerance {text!r}: expected ATOL or ATOL:RTOL, non-negative and finite")
+        return cls(values[0], values[1] if len(values) == 2 else DEFAULT_RTOL)
+
+
+@dataclass
+class Tolerances:
+    """The default tolerance and per-output overrides."""
+
+    default: Tolerance = field(default_factory=Tolerance)
+    per_output: dict[str, Tolerance] = field(default_factory=dict)
+
+    def for_output(self, key: str) -> Tolerance:
+        return self.per_output.get(key, self.default)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"default": asdict(self.default), "per_output": {k: asdict(v) for k, v in self.per_output.items()}}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Tolerances":
+        return cls(Tolerance(**obj["default"]), {k: Tolerance(**v) for k, v in obj.get("per_output", {}).items()})
+
+
+@dataclass(frozen=True)
+class OutputParity:
+    """How one format's output compares with the reference."""
+
+    format: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    exact: bool
+    max_abs_err: float
+    max_rel_err: float
+    atol: float
+    rtol: float
+    mismatches: int
+    min_atol_to_pass: float
+    passed: bool
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"{self.format}/{self.key}: {self.mismatches} of {int(np.prod(self.shape))} values differ (exact match required)"
+        return (f"{self.format}/{self.key}: max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}; "
+                f"tolerance atol={self.atol:g} rtol={self.rtol:g}; would pass with atol >= {self.min_atol_to_pass:.3g}")
+
+
+@dataclass
+class ParityReport:
+    """Per-format, per-output comparison records and the conditions of the run."""
+
+    reference: str
+    samples: int
+    seed: int
+    devices: dict[str, Any]
+    records: list[OutputParity] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.records)
+
+    def failures(self) -> list[OutputParity]:
+        return [r for r in self.records if not r.passed]
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`CheckFailedError` naming every failed output."""
+        failed = self.failures()
+        if failed:
+            raise CheckFailedError("parity failed: " + "; ".join(r.describe() for r in failed))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference": self.reference, "samples": self.samples, "seed": self.seed,
+                "devices": self.devices, "passed": self.passed,
+                "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "ParityReport":
+        records = [OutputParity(**{**r, "shape": tuple(r["shape"])}) for r in obj["records"]]
+        return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records)
+
+
+def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "observations") -> dict[str, np.ndarray]:
+    """``n`` observations drawn with gymnasium's sampler (seeded), split into leaf arrays by key."""
+    out: dict[str, np.ndarray] = {}
+    for i, leaf in enumerate(leaves(space)):
+        sub = leaf.space
+        sub.seed(seed + i)
+        out[leaf.key(prefix)] = np.stack([np.asarray(sub.sample()) for _ in range(n)]).astype(leaf_dtype(sub))
+    return out
+
+
+def run_batched(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: int = DEFAULT_BATCH,
+                scalars: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Run ``runner`` over ``feeds`` (batch-major arrays) in chunks and concatenate the outputs."""
+    n = len(next(iter(feeds.values())))
+    chunks: list[dict[str, np.ndarray]] = []
+    for start in range(0, n, batch_size):
+        batch = {k: v[start:start + batch_size] for k, v in feeds.items()}
+        batch.update(scalars or {})
+        chunks.append(runner(batch))
+    return {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+
+
+def compare(format_name: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
+            tolerances: Tolerances, keys: Sequence[str] | None = None) -> list[OutputParity]:
+    """One :class:`OutputParity` per key (default: every reference key). A missing output fails."""
+    records = []
+    for key in keys if keys is not None else list(reference):
+        ref = np.asarray(reference[key])
+        tol = tolerances.for_output(key)
+        if key not in actual:
+            records.append(OutputParity(format_name, key, ref.dtype.name, ref.shape, False, math.inf, math.inf,
+                                        tol.atol, tol.rtol, int(ref.size), math.inf, False))
+            continue
+        records.append(compare_arrays(format_name, key, ref, np.asarray(actual[key]), tol))
+    return records
+
+
+def compare_arrays(format_name: str, key: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance) -> OutputParity:
+    """Compare one output: exactly for integer/bool dtypes, by ``atol``/``rtol`` for floats."""
+    exact = not np.issubdtype(ref.dtype, np.floating)
+    if got.shape != ref.shape:
+        return OutputParity(format_name, key, ref.dtype.name, ref.shape, exact, math.inf, math.inf,
+                            tol.atol, tol.rtol, int(ref.size), math.inf, False)
+    if exact:
+        mismatches = int(np.count_nonzero(got != ref))
+        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64)) if ref.size else np.zeros(0)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        return OutputParity(format_name, key, ref.dtype.name, ref.shape, True, max_abs, max_abs,
+                            0.0, 0.0, mismatches, max_abs, mismatches == 0)
+    a, b = got.astype(np.float64), ref.astype(np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    same_inf = np.isinf(a) & (a == b)
+    diff = np.where(both_nan | same_inf, 0.0, np.abs(a - b))
+    diff = np.where(np.isnan(diff), math.inf, diff)
+    rel = diff / np.maximum(np.abs(b), np.finfo(np.float64).tiny)
+    rel = np.where(diff == 0, 0.0, rel)
+    allowed = tol.atol + tol.rtol * np.abs(np.where(np.isfinite(b), b, 0.0))
+    bad = diff > allowed
+    # smallest atol (with this rtol) under which every element passes
+    need = np.maximum(diff - tol.rtol * np.abs(np.where(np.isfinite(b), b, 0.0)), 0.0)
+    return OutputParity(
+        format_name, key, ref.dtype.name, ref.shape, False,
+        float(diff.max()) if diff.size else 0.0, float(rel.max()) if rel.size else 0.0,
+        tol.atol, tol.rtol, int(np.count_nonzero(bad)),
+        float(need.max()) if need.size else 0.0, not bool(bad.any()),
+    )

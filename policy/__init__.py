@@ -1,0 +1,23 @@
+"""The TF graph-mode policy: spaces, spec file, models, distributions and TFPolicy.
+
+Names are imported lazily so that ``policy.errors`` stays light (no TensorFlow import).
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "policy.errors": (
+        "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
+        "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError", "WeightsError",
+    ),
+    "policy.spec": ("LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec"),
+    "policy.tf_policy": ("ActionResult", "TFPolicy"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'policy' has no attribute {name!r}")

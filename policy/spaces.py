@@ -1,0 +1,314 @@
+"""gymnasium spaces to and from the spec file's JSON, and their leaves keyed by nest path.
+
+A space's *leaves* are its non-container sub-spaces in gymnasium's flatten order
+(``Dict`` in its key order, ``Tuple`` by index). Each leaf has a stable nest path,
+e.g. ``("camera",)`` or ``("state", "0")``, from which signature keys are made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from policy.errors import SpecError, UnsupportedSpaceError
+
+SPACE_TYPES = ("Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
+BOX_DTYPES = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64")
+
+_FIELDS = {
+    "Box": ({"type", "low", "high"}, {"shape", "dtype"}),
+    "Discrete": ({"type", "n"}, {"start"}),
+    "MultiDiscrete": ({"type", "nvec"}, set()),
+    "MultiBinary": ({"type", "n"}, set()),
+    "Dict": ({"type", "spaces"}, set()),
+    "Tuple": ({"type", "spaces"}, set()),
+}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One non-container sub-space and its nest path inside the whole space."""
+
+    path: tuple[str, ...]
+    space: gym.Space
+
+    def key(self, prefix: str) -> str:
+        """The signature key of this leaf: ``prefix`` alone for a flat space, else ``prefix/a/b``."""
+        return "/".join((prefix, *self.path))
+
+
+def leaves(space: gym.Space, path: tuple[str, ...] = ()) -> Iterator[Leaf]:
+    """Yield the leaves of ``space`` in gymnasium's flatten order."""
+    if isinstance(space, gym.spaces.Dict):
+        for name, sub in space.spaces.items():
+            yield from leaves(sub, (*path, str(name)))
+    elif isinstance(space, gym.spaces.Tuple):
+        for i, sub in enumerate(space.spaces):
+            yield from leaves(sub, (*path, str(i)))
+    else:
+        yield Leaf(path, space)
+
+
+def check_supported(space: gym.Space, where: str, allowed: tuple[type, ...]) -> None:
+    """Raise :class:`UnsupportedSpaceError` for the first leaf whose type is not in ``allowed``."""
+    for leaf in leaves(space):
+        if not isinstance(leaf.space, allowed):
+            sub = where + "".join(f"/{p}" for p in leaf.path)
+            raise UnsupportedSpaceError(
+                type(leaf.space).__name__, sub, [t.__name__ for t in allowed]
+            )
+
+
+def leaf_shape(space: gym.Space) -> tuple[int, ...]:
+    """Shape of one sample of a leaf space (``()`` for Discrete)."""
+    return tuple(int(d) for d in space.shape)
+
+
+def leaf_dtype(space: gym.Space) -> np.dtype:
+    """The dtype a leaf is fed with: the space's own, int64 for Discrete and MultiDiscrete."""
+    if isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+        return np.dtype(np.int64)
+    if isinstance(space, gym.spaces.MultiBinary):
+        return np.dtype(np.int8)
+    return np.dtype(space.dtype)
+
+
+# --------------------------------------------------------------------------- to JSON
+
+
+def space_to_json(space: gym.Space) -> dict[str, Any]:
+    """The spec-file JSON object of a gymnasium space."""
+    if isinstance(space, gym.spaces.Box):
+        return {
+            "type": "Box",
+            "low": _bound_to_json(space.low),
+            "high": _bound_to_json(space.high),
+            "shape": list(space.shape),
+            "dtype": np.dtype(space.dtype).name,
+        }
+    if isinstance(space, gym.spaces.Discrete):
+        out: dict[str, Any] = {"type": "Discrete", "n": int(space.n)}
+        if int(space.start) != 0:
+            out["start"] = int(space.start)
+        return out
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return {"type": "MultiDiscrete", "nvec": np.asarray(space.nvec).tolist()}
+    if isinstance(space, gym.spaces.MultiBinary):
+        n = space.n
+        return {"type": "MultiBinary", "n": int(n) if np.ndim(n) == 0 else list(map(int, n))}
+    if isinstance(space, gym.spaces.Dict):
+        return {"type": "Dict", "spaces": {k: space_to_json(s) for k, s in space.spaces.items()}}
+    if isinstance(space, gym.spaces.Tuple):
+        return {"type": "Tuple", "spaces": [space_to_json(s) for s in space.spaces]}
+    raise UnsupportedSpaceError(type(space).__name__, "space", SPACE_TYPES)
+
+
+def _bound_to_json(bound: np.ndarray) -> Any:
+    """A number when every element is equal, else a nested list; infinities as "inf"/"-inf"."""
+    flat = np.asarray(bound, dtype=np.float64).ravel()
+    if flat.size and np.all(flat == flat[0]):
+        return _num_to_json(flat[0])
+    return np.vectorize(_num_to_json, otypes=[object])(np.asarray(bound, np.float64)).tolist()
+
+
+def _num_to_json(x: float) -> Any:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return int(x) if float(x).is_integer() and abs(x) < 2**53 else float(x)
+
+
+# --------------------------------------------------------------------------- from JSON
+
+
+class _Problems:
+    """Collects ``(json_path, message)`` pairs so that every problem is reported at once."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.items.append((path, message))
+
+
+def space_from_json(obj: Any, path: str = "$", source: str = "<spec>") -> gym.Space:
+    """Build a gymnasium space from its spec-file JSON.
+
+    Raises:
+        SpecError: listing every problem with its JSON path.
+        UnsupportedSpaceError: for a gymnasium type the package cannot export.
+    """
+    problems = _Problems()
+    space = _parse_space(obj, path, problems)
+    if problems.items:
+        raise SpecError(source, problems.items)
+    assert space is not None  # no problems means a space was built
+    return space
+
+
+def parse_space(obj: Any, path: str, problems: _Problems) -> gym.Space | None:
+    """Like :func:`space_from_json` but adds problems to ``problems`` instead of raising."""
+    return _parse_space(obj, path, problems)
+
+
+def _parse_space(obj: Any, path: str, problems: _Problems) -> gym.Space | None:
+    if not isinstance(obj, dict):
+        problems.add(path, f"expected an object describing a space, got {_kind(obj)}")
+        return None
+    kind = obj.get("type")
+    if kind not in _FIELDS:
+        if isinstance(kind, str) and kind in ("Text", "Graph", "Sequence", "OneOf"):
+            raise UnsupportedSpaceError(kind, path, SPACE_TYPES)
+        problems.add(f"{path}.type", f"expected one of {', '.join(SPACE_TYPES)}, got {kind!r}")
+        return None
+    required, optional = _FIELDS[kind]
+    for key in sorted(required - obj.keys()):
+        problems.add(f"{path}.{key}", f"missing (required for {kind})")
+    for key in sorted(obj.keys() - required - optional):
+        problems.add(f"{path}.{key}", f"unknown key for {kind}; allowed: {', '.join(sorted(required | optional))}")
+    if required - obj.keys():
+        return None
+    before = len(problems.items)
+    builder = {
+        "Box": _parse_box,
+        "Discrete": _parse_discrete,
+        "MultiDiscrete": _parse_multidiscrete,
+        "MultiBinary": _parse_multibinary,
+        "Dict": _parse_dict,
+        "Tuple": _parse_tuple,
+    }[kind]
+    space = builder(obj, path, problems)
+    return space if len(problems.items) == before else None
+
+
+def _parse_box(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    dtype = obj.get("dtype", "float32")
+    if dtype not in BOX_DTYPES:
+        problems.add(f"{path}.dtype", f"expected one of {', '.join(BOX_DTYPES)}, got {dtype!r}")
+        return None
+    shape = obj.get("shape")
+    if shape is not None and not (
+        isinstance(shape, list) and all(_is_int(d) and d > 0 for d in shape)
+    ):
+        problems.add(f"{path}.shape", f"expected a list of positive integers, got {shape!r}")
+        return None
+    low = _parse_bound(obj["low"], f"{path}.low", problems)
+    high = _parse_bound(obj["high"], f"{path}.high", problems)
+    if low is None or high is None:
+        return None
+    if shape is None:
+        if low.ndim == 0 and high.ndim == 0:
+            problems.add(f"{path}.shape", "missing: required when low and high are both numbers")
+            return None
+        shape = list((low if low.ndim else high).shape)
+    try:
+        low_b = np.broadcast_to(low, shape)
+        high_b = np.broadcast_to(high, shape)
+    except ValueError:
+        problems.add(path, f"low {list(low.shape)} and high {list(high.shape)} do not fit shape {shape}")
+        return None
+    if np.any(low_b > high_b):
+        idx = tuple(int(i) for i in np.argwhere(low_b > high_b)[0])
+        problems.add(path, f"low > high at index {list(idx)} ({low_b[idx]} > {high_b[idx]})")
+        return None
+    if np.issubdtype(np.dtype(dtype), np.integer) and not (
+        np.all(np.isfinite(low_b)) and np.all(np.isfinite(high_b))
+    ):
+        problems.add(path, f"an integer Box ({dtype}) needs finite bounds")
+        return None
+    dt = np.dtype(dtype)
+    return gym.spaces.Box(low=low_b.astype(dt), high=high_b.astype(dt), shape=tuple(shape), dtype=dt)
+
+
+def _parse_bound(value: Any, path: str, problems: _Problems) -> np.ndarray | None:
+    def conv(v: Any) -> float:
+        if isinstance(v, str) and v in ("inf", "+inf", "-inf", "Infinity", "-Infinity"):
+            return -math.inf if v.startswith("-") else math.inf
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(v)
+        if math.isnan(v):
+            raise ValueError(v)
+        return float(v)
+
+    try:
+        if isinstance(value, list):
+            arr = np.vectorize(conv, otypes=[np.float64])(np.array(value, dtype=object))
+            if arr.dtype == object or arr.ndim == 0 or arr.size == 0:
+                raise TypeError(value)
+            return arr
+        return np.asarray(conv(value), dtype=np.float64)
+    except ValueError:
+        problems.add(path, "NaN is not a valid bound")
+    except TypeError:
+        problems.add(path, f"expected a number, 'inf', '-inf' or a nested list of them, got {value!r}")
+    return None
+
+
+def _parse_discrete(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    n, start = obj["n"], obj.get("start", 0)
+    ok = True
+    if not (_is_int(n) and n > 0):
+        problems.add(f"{path}.n", f"expected a positive integer, got {n!r}")
+        ok = False
+    if not _is_int(start):
+        problems.add(f"{path}.start", f"expected an integer, got {start!r}")
+        ok = False
+    return gym.spaces.Discrete(n, start=start) if ok else None
+
+
+def _parse_multidiscrete(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    nvec = obj["nvec"]
+    if not (isinstance(nvec, list) and nvec and all(_is_int(v) and v > 0 for v in nvec)):
+        problems.add(f"{path}.nvec", f"expected a non-empty list of positive integers, got {nvec!r}")
+        return None
+    return gym.spaces.MultiDiscrete(nvec)
+
+
+def _parse_multibinary(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    n = obj["n"]
+    if _is_int(n) and n > 0:
+        return gym.spaces.MultiBinary(n)
+    if isinstance(n, list) and n and all(_is_int(v) and v > 0 for v in n):
+        return gym.spaces.MultiBinary(n)
+    problems.add(f"{path}.n", f"expected a positive integer or list of them, got {n!r}")
+    return None
+
+
+def _parse_dict(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    subs = obj["spaces"]
+    if not (isinstance(subs, dict) and subs):
+        problems.add(f"{path}.spaces", f"expected a non-empty object of spaces, got {_kind(subs)}")
+        return None
+    parsed = {}
+    for name, sub in subs.items():
+        if not name or "/" in name:
+            problems.add(f"{path}.spaces", f"key {name!r} must be non-empty and contain no '/'")
+            continue
+        parsed[name] = _parse_space(sub, f"{path}.spaces.{name}", problems)
+    if any(v is None for v in parsed.values()) or len(parsed) != len(subs):
+        return None
+    return gym.spaces.Dict(parsed)
+
+
+def _parse_tuple(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+    subs = obj["spaces"]
+    if not (isinstance(subs, list) and subs):
+        problems.add(f"{path}.spaces", f"expected a non-empty list of spaces, got {_kind(subs)}")
+        return None
+    parsed = [_parse_space(s, f"{path}.spaces[{i}]", problems) for i, s in enumerate(subs)]
+    if any(p is None for p in parsed):
+        return None
+    return gym.spaces.Tuple(parsed)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(v), f"a {type(v).__name__}") + (f" ({v!r})" if isinstance(v, (str, int, float)) else "")

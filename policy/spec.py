@@ -1,0 +1,206 @@
+"""The policy spec file (``policy.json``): load, validate, and write it back.
+
+Every problem in a file is reported at once, each with its JSON path and what was expected::
+
+    spec = load_spec("fixtures/cartpole_mlp")      # a directory holding policy.json, or the file
+    spec.observation_space, spec.action_space, spec.model.hiddens
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+from policy.errors import SpecError
+from policy.spaces import _Problems, _is_int, parse_space, space_to_json
+
+FORMAT_VERSION = 1
+SPEC_FILE = "policy.json"
+ACTIVATIONS = ("tanh", "relu", "elu", "swish", "linear")
+
+_TOP_REQUIRED = {"format_version", "name", "observation_space", "action_space", "model"}
+_TOP_OPTIONAL = {"weights", "seed"}
+_MODEL_KEYS = {"hiddens", "activation", "conv_filters", "lstm"}
+_LSTM_KEYS = {"cell_size", "max_seq_len", "use_prev_action", "use_prev_reward"}
+
+
+@dataclass(frozen=True)
+class LstmConfig:
+    """An LSTM after the encoder."""
+
+    cell_size: int = 64
+    max_seq_len: int = 20
+    use_prev_action: bool = False
+    use_prev_reward: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model: conv layers (image inputs), dense layers, optional LSTM."""
+
+    hiddens: tuple[int, ...] = (256, 256)
+    activation: str = "tanh"
+    conv_filters: tuple[tuple[int, tuple[int, int], int], ...] = ()
+    lstm: LstmConfig | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"hiddens": list(self.hiddens), "activation": self.activation}
+        if self.conv_filters:
+            out["conv_filters"] = [[f, list(k), s] for f, k, s in self.conv_filters]
+        if self.lstm is not None:
+            out["lstm"] = dict(self.lstm.__dict__)
+        return out
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A validated policy spec. ``weights`` is an absolute path or ``None`` (initialise from ``seed``)."""
+
+    name: str
+    observation_space: gym.Space
+    action_space: gym.Space
+    model: ModelConfig = field(default_factory=ModelConfig)
+    weights: Path | None = None
+    seed: int = 0
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self, relative_to: Path | None = None) -> dict[str, Any]:
+        """The spec-file object; ``weights`` is written relative to ``relative_to`` when given."""
+        out: dict[str, Any] = {
+            "format_version": self.format_version,
+            "name": self.name,
+            "observation_space": space_to_json(self.observation_space),
+            "action_space": space_to_json(self.action_space),
+            "model": self.model.to_json(),
+            "seed": self.seed,
+        }
+        if self.weights is not None:
+            w = Path(self.weights)
+            out["weights"] = str(w.relative_to(relative_to)) if relative_to else str(w)
+        return out
+
+
+def load_spec(path: str | Path) -> PolicySpec:
+    """Read and validate a spec: ``path`` is a ``policy.json`` or a directory holding one.
+
+    Raises:
+        SpecError: the file is missing, is not JSON, or has problems (each with its JSON path).
+        UnsupportedSpaceError: a space type the package cannot export.
+    """
+    path = Path(path)
+    file = path / SPEC_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise SpecError(str(file), [("$", "file not found")])
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(str(file), [("$", f"not UTF-8 text ({e.reason})")]) from e
+    except json.JSONDecodeError as e:
+        raise SpecError(str(file), [("$", f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")]) from e
+    return spec_from_json(obj, base_dir=file.parent, source=str(file))
+
+
+def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>") -> PolicySpec:
+    """Validate a parsed spec object; relative ``weights`` paths resolve against ``base_dir``."""
+    problems = _Problems()
+    if not isinstance(obj, dict):
+        raise SpecError(source, [("$", "expected a JSON object at the top level")])
+    for key in sorted(_TOP_REQUIRED - obj.keys()):
+        problems.add(f"$.{key}", "missing (required)")
+    for key in sorted(obj.keys() - _TOP_REQUIRED - _TOP_OPTIONAL):
+        problems.add(f"$.{key}", f"unknown key; allowed: {', '.join(sorted(_TOP_REQUIRED | _TOP_OPTIONAL))}")
+
+    version = obj.get("format_version")
+    if "format_version" in obj and version != FORMAT_VERSION:
+        problems.add("$.format_version", f"expected {FORMAT_VERSION}, got {version!r}")
+    name = obj.get("name")
+    if "name" in obj and not (isinstance(name, str) and name.strip()):
+        problems.add("$.name", f"expected a non-empty string, got {name!r}")
+    seed = obj.get("seed", 0)
+    if not (_is_int(seed) and 0 <= seed < 2**31):
+        problems.add("$.seed", f"expected an integer in [0, 2**31), got {seed!r}")
+    weights = obj.get("weights")
+    weights_path = None
+    if weights is not None:
+        if not (isinstance(weights, str) and weights):
+            problems.add("$.weights", f"expected a file path string, got {weights!r}")
+        else:
+            weights_path = (base_dir or Path.cwd()) / weights
+
+    obs = parse_space(obj["observation_space"], "$.observation_space", problems) if "observation_space" in obj else None
+    act = parse_space(obj["action_space"], "$.action_space", problems) if "action_space" in obj else None
+    model = _parse_model(obj["model"], problems) if "model" in obj else None
+
+    if problems.items:
+        raise SpecError(source, problems.items)
+    return PolicySpec(
+        name=name, observation_space=obs, action_space=act, model=model,
+        weights=weights_path, seed=seed, format_version=version,
+    )
+
+
+def _parse_model(obj: Any, problems: _Problems) -> ModelConfig | None:
+    if not isinstance(obj, dict):
+        problems.add("$.model", "expected an object")
+        return None
+    for key in sorted(obj.keys() - _MODEL_KEYS):
+        problems.add(f"$.model.{key}", f"unknown key; allowed: {', '.join(sorted(_MODEL_KEYS))}")
+    hiddens = obj.get("hiddens", [256, 256])
+    if not (isinstance(hiddens, list) and all(_is_int(h) and h > 0 for h in hiddens)):
+        problems.add("$.model.hiddens", f"expected a list of positive integers, got {hiddens!r}")
+    activation = obj.get("activation", "tanh")
+    if activation not in ACTIVATIONS:
+        problems.add("$.model.activation", f"expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    conv = _parse_conv(obj.get("conv_filters", []), problems)
+    lstm = _parse_lstm(obj["lstm"], problems) if obj.get("lstm") is not None else None
+    if problems.items:
+        return None
+    return ModelConfig(hiddens=tuple(hiddens), activation=activation, conv_filters=conv, lstm=lstm)
+
+
+def _parse_conv(obj: Any, problems: _Problems) -> tuple:
+    if not isinstance(obj, list):
+        problems.add("$.model.conv_filters", "expected a list of [filters, [kh, kw], stride]")
+        return ()
+    out = []
+    for i, item in enumerate(obj):
+        ok = (
+            isinstance(item, list) and len(item) == 3 and _is_int(item[0]) and item[0] > 0
+            and isinstance(item[1], list) and len(item[1]) == 2
+            and all(_is_int(k) and k > 0 for k in item[1]) and _is_int(item[2]) and item[2] > 0
+        )
+        if not ok:
+            problems.add(f"$.model.conv_filters[{i}]", f"expected [filters, [kh, kw], stride] of positive integers, got {item!r}")
+            continue
+        out.append((item[0], (item[1][0], item[1][1]), item[2]))
+    return tuple(out)
+
+
+def _parse_lstm(obj: Any, problems: _Problems) -> LstmConfig | None:
+    if not isinstance(obj, dict):
+        problems.add("$.model.lstm", "expected an object")
+        return None
+    for key in sorted(obj.keys() - _LSTM_KEYS):
+        problems.add(f"$.model.lstm.{key}", f"unknown key; allowed: {', '.join(sorted(_LSTM_KEYS))}")
+    cfg = LstmConfig(**{k: v for k, v in obj.items() if k in _LSTM_KEYS})
+    for key in ("cell_size", "max_seq_len"):
+        v = getattr(cfg, key)
+        if not (_is_int(v) and v > 0):
+            problems.add(f"$.model.lstm.{key}", f"expected a positive integer, got {v!r}")
+    for key in ("use_prev_action", "use_prev_reward"):
+        if not isinstance(getattr(cfg, key), bool):
+            problems.add(f"$.model.lstm.{key}", f"expected true or false, got {getattr(cfg, key)!r}")
+    return cfg
+
+
+def write_spec(spec: PolicySpec, directory: str | Path) -> Path:
+    """Write ``policy.json`` for ``spec`` into ``directory``; return its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    file = directory / SPEC_FILE
+    file.write_text(json.dumps(spec.to_json(relative_to=directory), indent=2) + "\n", encoding="utf-8")
+    return file

@@ -1,0 +1,376 @@
+"""TFPolicy: a tf.compat.v1 graph and session computing a policy's actions.
+
+Build one from a spec, or wrap a session and tensors you already have::
+
+    policy = TFPolicy.from_spec(load_spec("fixtures/cartpole_mlp"))
+    result = policy.compute_actions(obs_batch)           # deterministic unless explore=True
+    result.actions, result.fetches["action_logp"]
+
+    policy = TFPolicy(obs_space, act_space, sess,
+                      observations=obs_ph, sampled_action=action_t, action_logp=logp_t)
+
+Inputs and outputs are keyed by their signature keys (``observations``, ``explore``,
+``actions_0``, ``action_logp``...); see ``signatures.build_signature``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import tensorflow as tf
+
+from policy import h5io
+from policy.distributions import distribution_class
+from policy.errors import InputError, PolicyExportError, UnsupportedSpaceError, WeightsError
+from policy.models import build_mlp, named_weights
+from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaves
+from policy.spec import PolicySpec
+
+tf1 = tf.compat.v1
+log = logging.getLogger(__name__)
+
+OBSERVATIONS = "observations"
+EXPLORE, IS_TRAINING, TIMESTEP = "explore", "is_training", "timestep"
+ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB = "action_dist_inputs", "action_logp", "action_prob"
+SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box,)
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """What :meth:`TFPolicy.compute_actions` returns.
+
+    ``actions``: one array for a flat action space, else the list ``actions_0..`` in flatten order.
+    ``fetches``: every output of the policy, keyed by signature key.
+    """
+
+    actions: Any
+    state_out: list[np.ndarray] = field(default_factory=list)
+    fetches: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class TFPolicy:
+    """A policy as graph tensors in a ``tf.compat.v1.Session``.
+
+    Args:
+        observation_space, action_space: the gymnasium spaces.
+        session: the session holding the graph and variable values.
+        observations: the observation placeholder, or a mapping leaf key -> placeholder
+            (keys ``observations/<nest path>``) for Dict/Tuple spaces.
+        sampled_action: the action tensor, or a list of them in flatten order (``actions_0..``).
+        action_logp, action_prob, action_dist_inputs: optional output tensors; ``action_prob``
+            is derived as ``exp(action_logp)`` when only the log-probability is given.
+        explore, is_training, timestep: optional placeholders (``placeholder_with_default`` makes
+            them optional inputs with that default).
+        extra_inputs, extra_fetches: further inputs and outputs, keyed by signature key.
+        model: the Keras base model, if any (its weights are the policy's weights).
+        model_io: (inputs, outputs) tensors of the base model inside the policy graph, used to
+            check the standalone Keras files against the session.
+    """
+
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        session: tf1.Session,
+        *,
+        observations: tf.Tensor | Mapping[str, tf.Tensor],
+        sampled_action: tf.Tensor | Sequence[tf.Tensor],
+        action_logp: tf.Tensor | None = None,
+        action_prob: tf.Tensor | None = None,
+        action_dist_inputs: tf.Tensor | None = None,
+        explore: tf.Tensor | None = None,
+        is_training: tf.Tensor | None = None,
+        timestep: tf.Tensor | None = None,
+        extra_inputs: Mapping[str, tf.Tensor] | None = None,
+        extra_fetches: Mapping[str, tf.Tensor] | None = None,
+        model: Any = None,
+        model_io: tuple[Sequence[tf.Tensor], Sequence[tf.Tensor]] | None = None,
+        name: str = "policy",
+    ):
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.session = session
+        self.graph = session.graph
+        self.model = model
+        self.model_io = model_io
+        self.name = name
+
+        self.inputs: dict[str, tf.Tensor] = {}
+        if isinstance(observations, Mapping):
+            self.inputs.update(observations)
+        else:
+            self.inputs[OBSERVATIONS] = observations
+        for key, tensor in ((EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
+            if tensor is not None:
+                self.inputs[key] = tensor
+        self.inputs.update(extra_inputs or {})
+
+        actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
+        self.outputs: dict[str, tf.Tensor] = {f"actions_{i}": a for i, a in enumerate(actions)}
+        if action_prob is None and action_logp is not None:
+            with self.graph.as_default():
+                action_prob = tf.exp(action_logp, name=ACTION_PROB)
+        for key, tensor in (
+            (ACTION_DIST_INPUTS, action_dist_inputs), (ACTION_LOGP, action_logp), (ACTION_PROB, action_prob),
+        ):
+            if tensor is not None:
+                self.outputs[key] = tensor
+        for key, tensor in (extra_fetches or {}).items():
+            if key in self.outputs:
+                raise PolicyExportError(f"extra fetch {key!r} clashes with a built-in output key")
+            self.outputs[key] = tensor
+        self.defaults: dict[str, np.ndarray] = self._read_defaults()
+        self._variables = self._weight_variables()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec, device: str | None = None) -> "TFPolicy":
+        """Build the graph and session for ``spec`` and load its weights (or initialise from its seed).
+
+        ``device`` is a TF device string such as ``"/GPU:0"`` or ``"/CPU:0"``; ``None`` lets TF place ops.
+
+        Raises:
+            UnsupportedSpaceError: a space the model cannot take.
+            WeightsError: the weights file does not fit (see :meth:`import_model_from_h5`).
+        """
+        check_supported(spec.observation_space, "observation_space", SUPPORTED_OBSERVATION_SPACES)
+        if spec.model.conv_filters or spec.model.lstm is not None:
+            raise UnsupportedSpaceError(
+                "conv_filters/lstm model", "model", ["hiddens/activation (MLP)"]
+            )
+        act_leaves = list(leaves(spec.action_space))
+        if len(act_leaves) != 1 or not act_leaves[0].path == ():
+            raise UnsupportedSpaceError(type(spec.action_space).__name__, "action_space", ["Box", "Discrete"])
+        dist_cls = distribution_class(spec.action_space)
+
+        graph = tf.Graph()
+        with graph.as_default(), tf.device(device):
+            tf1.set_random_seed(spec.seed)
+            obs_ph = {}
+            for leaf in leaves(spec.observation_space):
+                key = leaf.key(OBSERVATIONS)
+                obs_ph[key] = tf1.placeholder(
+                    tf.as_dtype(leaf_dtype(leaf.space)), (None, *leaf_shape(leaf.space)), name=key
+                )
+            explore = tf1.placeholder_with_default(False, (), name=EXPLORE)
+            is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
+            timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
+            with tf1.name_scope("preprocess"):
+                flat = [
+                    tf.reshape(tf.cast(t, tf.float32), (-1, int(np.prod(leaf_shape(leaf.space)))))
+                    for t, leaf in zip(obs_ph.values(), leaves(spec.observation_space))
+                ]
+                model_in = flat[0] if len(flat) == 1 else tf.concat(flat, axis=-1)
+            model = build_mlp(int(model_in.shape[-1]), spec.model, dist_cls.required_inputs(spec.action_space))
+            dist_inputs = tf.identity(model(model_in), name=ACTION_DIST_INPUTS)
+            dist = dist_cls(dist_inputs, spec.action_space)
+            raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
+            logp = tf.identity(dist.logp(raw), name=ACTION_LOGP)
+            action = tf.identity(dist.postprocess(raw), name="actions_0")
+            init = tf1.global_variables_initializer()
+        session = tf1.Session(graph=graph, config=session_config(device))
+        session.run(init)
+        policy = cls(
+            spec.observation_space, spec.action_space, session,
+            observations=obs_ph, sampled_action=action, action_logp=logp,
+            action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
+            model=model, model_io=([model_in], [dist_inputs]), name=spec.name,
+        )
+        if spec.weights is not None:
+            policy.import_model_from_h5(spec.weights)
+        return policy
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the session: ``feeds`` and the result are keyed by signature key.
+
+        Optional inputs may be left out (their defaults apply). ``outputs`` defaults to all.
+
+        Raises:
+            InputError: an unknown key, a missing required input, or an array of the wrong shape/dtype.
+        """
+        outputs = list(self.outputs) if outputs is None else list(outputs)
+        unknown = [k for k in outputs if k not in self.outputs]
+        if unknown:
+            raise InputError(f"unknown output(s) {unknown}; the policy has {list(self.outputs)}")
+        feed_dict = {self.inputs[k]: v for k, v in self.check_feeds(feeds).items()}
+        values = self.session.run([self.outputs[k] for k in outputs], feed_dict)
+        return dict(zip(outputs, values))
+
+    def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Validate and cast ``feeds`` to the input dtypes. Raises :class:`InputError`."""
+        unknown = sorted(set(feeds) - set(self.inputs))
+        if unknown:
+            raise InputError(f"unknown input(s) {unknown}; the policy takes {list(self.inputs)}")
+        missing = [k for k in self.inputs if k not in feeds and k not in self.defaults]
+        if missing:
+            raise InputError(f"missing required input(s) {missing}")
+        out = {}
+        batch = None
+        for key, value in feeds.items():
+            tensor = self.inputs[key]
+            arr = np.asarray(value)
+            want = tensor.dtype.as_numpy_dtype
+            if arr.dtype != want:
+                if not _safe_cast(arr, np.dtype(want)):
+                    raise InputError(f"input {key!r}: dtype {arr.dtype} cannot be safely cast to {np.dtype(want).name}")
+                arr = arr.astype(want)
+            shape = tensor.shape
+            if shape.rank is not None:
+                ok = arr.ndim == shape.rank and all(
+                    d is None or d == a for d, a in zip(shape.as_list(), arr.shape)
+                )
+                if not ok:
+                    raise InputError(f"input {key!r}: expected shape {_fmt_shape(shape.as_list())}, got {list(arr.shape)}")
+                if shape.rank and shape.as_list()[0] is None:
+                    if batch is not None and arr.shape[0] != batch:
+                        raise InputError(f"input {key!r}: batch size {arr.shape[0]} differs from {batch}")
+                    batch = arr.shape[0]
+            out[key] = arr
+        return out
+
+    def compute_actions(self, obs: Any, explore: bool = False, timestep: int | None = None) -> ActionResult:
+        """Actions for a batch of observations (an array, or a dict/tuple nest for nested spaces)."""
+        feeds = self.observation_feeds(obs)
+        if EXPLORE in self.inputs:
+            feeds[EXPLORE] = np.bool_(explore)
+        elif explore:
+            raise InputError("this policy has no explore input")
+        if timestep is not None and TIMESTEP in self.inputs:
+            feeds[TIMESTEP] = np.int64(timestep)
+        fetches = self.run(feeds)
+        actions = [fetches[k] for k in self.outputs if k.startswith("actions_")]
+        return ActionResult(actions=actions[0] if len(actions) == 1 else actions, fetches=fetches)
+
+    def observation_feeds(self, obs: Any) -> dict[str, np.ndarray]:
+        """Split an observation batch (array or dict/tuple nest) into leaf feeds keyed by signature key."""
+        feeds: dict[str, np.ndarray] = {}
+        for leaf in leaves(self.observation_space):
+            value = obs
+            for part in leaf.path:
+                try:
+                    value = value[part] if isinstance(value, Mapping) else value[int(part)]
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    raise InputError(f"observation has no entry {'/'.join(leaf.path)!r}") from e
+            feeds[leaf.key(OBSERVATIONS)] = value
+        return feeds
+
+    # ------------------------------------------------------------------ weights
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """The policy's weights keyed ``layer/weight`` (base model) or by variable name."""
+        values = self.session.run([v for _, v in self._variables])
+        return {k: np.asarray(v) for (k, _), v in zip(self._variables, values)}
+
+    def set_weights(self, weights: Mapping[str, np.ndarray], allow_non_finite: bool = False) -> None:
+        """Assign all weights in one session run, after checking every key, shape and value.
+
+        Raises:
+            WeightsError: naming every missing, unexpected, misshapen or non-finite weight;
+                nothing is assigned then.
+        """
+        self._assign(self._check_weights(weights, "weights", allow_non_finite))
+
+    def import_model_from_h5(self, path: str | Path, allow_non_finite: bool = False) -> None:
+        """Load base-model weights from an h5 file, matched by layer and weight name.
+
+        Every weight's presence and shape is checked before anything is assigned; on any error
+        the policy's weights are exactly as before.
+
+        Raises:
+            WeightsError: unreadable file, or every weight that is missing, extra or misshapen.
+        """
+        weights = h5io.read_h5_weights(path)
+        self._assign(self._check_weights(weights, str(path), allow_non_finite))
+
+    def export_weights_h5(self, path: str | Path) -> Path:
+        """Write the base model's weights to ``path`` in Keras's h5 weights layout."""
+        return h5io.write_h5_weights(path, self.get_weights())
+
+    def _check_weights(self, weights: Mapping[str, np.ndarray], source: str, allow_non_finite: bool) -> list:
+        problems = []
+        assignments = []
+        expected = dict(self._variables)
+        for key in expected:
+            if key not in weights:
+                problems.append(f"missing weight {key!r}")
+        for key, value in weights.items():
+            if key not in expected:
+                problems.append(f"unexpected weight {key!r} (the policy has no such layer weight)")
+                continue
+            var = expected[key]
+            arr = np.asarray(value)
+            want = tuple(var.shape.as_list())
+            if arr.shape != want:
+                problems.append(f"weight {key!r} has shape {list(arr.shape)}, the policy expects {list(want)}")
+                continue
+            if not np.issubdtype(arr.dtype, np.number):
+                problems.append(f"weight {key!r} has non-numeric dtype {arr.dtype}")
+                continue
+            if not allow_non_finite and not np.all(np.isfinite(arr)):
+                problems.append(f"weight {key!r} holds NaN or Inf values")
+                continue
+            assignments.append((var, arr.astype(var.dtype.as_numpy_dtype)))
+        if problems:
+            raise WeightsError(source, problems)
+        return assignments
+
+    def _assign(self, assignments: list) -> None:
+        # Feeding each variable's initial value into its initializer assigns it without adding
+        # ops to the graph; all variables are assigned in one run.
+        ops = [var.initializer for var, _ in assignments]
+        feeds = {var.initializer.inputs[1]: value for var, value in assignments}
+        self.session.run(ops, feeds)
+
+    def _weight_variables(self) -> list[tuple[str, Any]]:
+        if self.model is not None:
+            return named_weights(self.model)
+        with self.graph.as_default():
+            variables = tf1.global_variables()
+        return [(v.name.split(":")[0], v) for v in variables]
+
+    def _read_defaults(self) -> dict[str, np.ndarray]:
+        defaults = {}
+        for key, tensor in self.inputs.items():
+            if tensor.op.type == "PlaceholderWithDefault":
+                defaults[key] = np.asarray(self.session.run(tensor.op.inputs[0]))
+        return defaults
+
+    def close(self) -> None:
+        """Close the session."""
+        self.session.close()
+
+
+def session_config(device: str | None) -> tf1.ConfigProto:
+    """Session options: soft placement; no GPU at all when ``device`` is a CPU device."""
+    config = tf1.ConfigProto(allow_soft_placement=True)
+    if device is not None and "CPU" in device.upper():
+        config.device_count["GPU"] = 0
+    else:
+        config.gpu_options.allow_growth = True
+    return config
+
+
+def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:
+    if np.can_cast(arr.dtype, want, casting="same_kind"):
+        if np.issubdtype(want, np.integer) and np.issubdtype(arr.dtype, np.integer):
+            info = np.iinfo(want)
+            return arr.size == 0 or (arr.min() >= info.min and arr.max() <= info.max)
+        return True
+    if np.issubdtype(arr.dtype, np.integer) and np.issubdtype(want, np.floating):
+        return True
+    if arr.dtype == np.bool_ and np.issubdtype(want, np.integer):
+        return True
+    return False
+
+
+def _fmt_shape(dims: Sequence[int | None]) -> str:
+    return "[" + ", ".join("batch" if d is None else str(d) for d in dims) + "]"

@@ -1,0 +1,63 @@
+"""Build a policy's serving signature: keyed tensors, the contract, and the SignatureDef map."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from signatures.contract import Contract, TensorSpec, json_default
+
+tf1 = tf.compat.v1
+SERVING_KEY = tf1.saved_model.signature_constants.DEFAULT_SERVING_SIGNATURE_DEF_KEY
+PREDICT_METHOD = tf1.saved_model.signature_constants.PREDICT_METHOD_NAME
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The policy's serving signature: keyed graph tensors and the contract describing them."""
+
+    inputs: dict[str, tf.Tensor]
+    outputs: dict[str, tf.Tensor]
+    contract: Contract
+
+    def signature_def_map(self) -> dict[str, tf1.MetaGraphDef]:
+        """``{"serving_default": SignatureDef}`` (method Predict) with the contract's keys."""
+        build = tf1.saved_model.utils.build_tensor_info
+        sig = tf1.saved_model.signature_def_utils.build_signature_def(
+            inputs={k: build(t) for k, t in self.inputs.items()},
+            outputs={k: build(t) for k, t in self.outputs.items()},
+            method_name=PREDICT_METHOD,
+        )
+        return {SERVING_KEY: sig}
+
+    def tensor_names(self) -> dict[str, dict[str, str]]:
+        """Graph tensor name of every key, ``{"inputs": {...}, "outputs": {...}}``."""
+        return {"inputs": {k: t.name for k, t in self.inputs.items()},
+                "outputs": {k: t.name for k, t in self.outputs.items()}}
+
+
+def build_signature(policy) -> Signature:
+    """The ``serving_default`` signature of a :class:`policy.TFPolicy`.
+
+    Inputs: observation leaves, then ``explore``/``is_training``/``timestep`` and extra inputs;
+    an input fed through ``placeholder_with_default`` is optional with that default.
+    Outputs: ``actions_0..``, ``action_dist_inputs``, ``action_logp``, ``action_prob``, extras.
+    """
+    inputs = tuple(
+        _spec(key, tensor, policy.defaults.get(key)) for key, tensor in policy.inputs.items()
+    )
+    outputs = tuple(_spec(key, tensor, None) for key, tensor in policy.outputs.items())
+    return Signature(dict(policy.inputs), dict(policy.outputs), Contract(inputs=inputs, outputs=outputs))
+
+
+def _spec(key: str, tensor: tf.Tensor, default: np.ndarray | None) -> TensorSpec:
+    shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else ()
+    return TensorSpec(
+        key=key,
+        dtype=np.dtype(tensor.dtype.as_numpy_dtype).name,
+        shape=shape,
+        required=default is None,
+        default=None if default is None else json_default(default),
+    )
