@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
-from exporter.context import DEFAULT_OPSET, ExportContext, FormatRecord
+from exporter.context import (
+    ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,
+)
 from exporter.devices import DevicePlan, plan_devices
 from exporter.parity import (
     DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, run_batched, sample_observations,
@@ -32,8 +34,6 @@ from signatures.contract import Contract
 
 log = logging.getLogger(__name__)
 
-ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "keras")
-SUPPORTED_OPSETS = range(13, 22)
 PARITY_DIR = "parity"
 MODEL_IO_PREFIX = "base_model/"
 _WRITERS = {
@@ -79,18 +79,9 @@ class VerifyResult:
     def raise_if_failed(self) -> None:
         """Raise :class:`ParityFailedError` naming every problem."""
         if not self.passed:
-            parts = list(self.file_problems) + [r.describe() for r in self.parity.failures()]
+            parts = (list(self.file_problems) + [f"{k}: {v}" for k, v in self.parity.errors.items()]
+                     + [r.describe() for r in self.parity.failures()])
             raise ParityFailedError(f"verify {self.path} failed: " + "; ".join(parts), self.parity, self.file_problems)
-
-
-def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a format list; ``onnx`` needs the frozen graph, which is then made anyway."""
-    if formats is None:
-        return ALL_FORMATS
-    unknown = [f for f in formats if f not in ALL_FORMATS]
-    if unknown or not formats:
-        raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
-    return tuple(f for f in ALL_FORMATS if f in formats)
 
 
 def export_policy(
@@ -118,8 +109,7 @@ def export_policy(
         ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
     """
     formats = resolve_formats(formats)
-    if opset not in SUPPORTED_OPSETS:
-        raise InputError(f"opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
+    check_opset(opset)
     if samples < 1:
         raise InputError(f"samples must be at least 1, got {samples}")
     plan = device if isinstance(device, DevicePlan) else plan_devices(device)
@@ -197,8 +187,10 @@ def verify_export(
         report.samples = len(next(iter(golden_in.values())))
         formats = [f for f in doc["formats"] if (out / _WRITERS[f][1]).exists()]
         _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
-                       contract, tolerances, batch_size, report)
-    if samples > 0 and "saved_model" in doc["formats"]:
+                       contract, tolerances, batch_size, report, collect_errors=True)
+    else:
+        report.errors["parity"] = "golden files parity/inputs.npz and parity/outputs.npz are missing"
+    if samples > 0 and "saved_model" in doc["formats"] and not report.errors:
         _check_fresh_samples(out, doc, contract, plan, samples, seed, tolerances, batch_size, report)
     return VerifyResult(out, problems, report)
 
@@ -239,13 +231,22 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
 
 def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
                    golden_in: Mapping[str, np.ndarray], golden_out: Mapping[str, np.ndarray],
-                   contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
+                   contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport,
+                   collect_errors: bool = False) -> None:
+    """Compare each format with the golden outputs; with ``collect_errors`` a format that cannot
+    be loaded is recorded in ``report.errors`` instead of raising."""
     keys = contract.output_keys
     for fmt in formats:
-        if fmt == "keras":
-            _check_keras(root, golden_out, tolerances, batch_size, report)
+        try:
+            if fmt == "keras":
+                _check_keras(root, golden_out, tolerances, batch_size, report)
+                continue
+            runner = _load_runner(fmt, root, tensor_names, plan)
+        except ExportError as e:
+            if not collect_errors:
+                raise
+            report.errors[fmt] = str(e)
             continue
-        runner = _load_runner(fmt, root, tensor_names, plan)
         if fmt == "onnx":
             report.devices["onnxruntime_providers_used"] = list(runner.providers)
         got = run_batched(runner, golden_in, batch_size)
@@ -291,7 +292,7 @@ def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, 
             continue
         runner = _load_runner(fmt, out, doc["tensor_names"], plan)
         got = run_batched(runner, feeds, batch_size)
-        report.records.extend(compare(f"{fmt}~saved_model", reference, got, tolerances, contract.output_keys))
+        report.records.extend(compare(f"{fmt} vs saved_model", reference, got, tolerances, contract.output_keys))
 
 
 def _write_golden(root: Path, golden_in, golden_out, report: ParityReport) -> None:

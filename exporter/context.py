@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from exporter.devices import DevicePlan
+from policy.errors import InputError
 
 DEFAULT_OPSET = 17
+SUPPORTED_OPSETS = range(13, 22)
+ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "keras")
+
+
+def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
+    """Validate a format list (``None`` means all) and put it in the canonical order.
+
+    Raises:
+        InputError: an empty list or an unknown format.
+    """
+    if formats is None:
+        return ALL_FORMATS
+    unknown = [f for f in formats if f not in ALL_FORMATS]
+    if unknown or not formats:
+        raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
+    return tuple(f for f in ALL_FORMATS if f in formats)
+
+
+def check_opset(opset: int) -> None:
+    """Raises InputError for an opset outside :data:`SUPPORTED_OPSETS`."""
+    if opset not in SUPPORTED_OPSETS:
+        raise InputError(f"opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ SavedModel is called through its serving signature with ``tf.saved_model.load``.
 from __future__ import annotations
 
 import json
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,7 +50,9 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
         model.set_weights(weights)
         model.save(str(target / SAVED_MODEL), save_format="tf", include_optimizer=False)
         model.save(str(target / KERAS_FILE), save_format="keras")
-        model.save(str(target / H5_FILE), save_format="h5", include_optimizer=False)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*HDF5 file.*legacy", category=UserWarning)
+            model.save(str(target / H5_FILE), save_format="h5", include_optimizer=False)
     except Exception as e:  # Keras raises many kinds; none may pass as a warning
         raise ExportError(f"saving the Keras base model failed: {type(e).__name__}: {e}") from e
     finally:

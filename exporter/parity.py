@@ -96,10 +96,11 @@ class ParityReport:
     seed: int
     devices: dict[str, Any]
     records: list[OutputParity] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # format -> why it could not be run
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.records)
+        return not self.errors and all(r.passed for r in self.records)
 
     def failures(self) -> list[OutputParity]:
         return [r for r in self.records if not r.passed]
@@ -107,18 +108,19 @@ class ParityReport:
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailedError` naming every failed output."""
         failed = self.failures()
-        if failed:
-            raise CheckFailedError("parity failed: " + "; ".join(r.describe() for r in failed))
+        if failed or self.errors:
+            parts = [f"{k}: {v}" for k, v in self.errors.items()] + [r.describe() for r in failed]
+            raise CheckFailedError("parity failed: " + "; ".join(parts))
 
     def to_json(self) -> dict[str, Any]:
         return {"reference": self.reference, "samples": self.samples, "seed": self.seed,
-                "devices": self.devices, "passed": self.passed,
+                "devices": self.devices, "passed": self.passed, "errors": dict(self.errors),
                 "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records]}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "ParityReport":
         records = [OutputParity(**{**r, "shape": tuple(r["shape"])}) for r in obj["records"]]
-        return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records)
+        return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records, dict(obj.get("errors", {})))
 
 
 def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "observations") -> dict[str, np.ndarray]:

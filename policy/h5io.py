@@ -75,6 +75,9 @@ def write_h5_weights(path: str | Path, weights: Mapping[str, np.ndarray]) -> Pat
                 group.attrs["weight_names"] = _bytes(names)
                 for name, (_, value) in zip(names, items):
                     group.create_dataset(name, data=value)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -86,8 +86,8 @@ def space_to_json(space: gym.Space) -> dict[str, Any]:
     if isinstance(space, gym.spaces.Box):
         return {
             "type": "Box",
-            "low": _bound_to_json(space.low),
-            "high": _bound_to_json(space.high),
+            "low": _bound_to_json(space.low, space.dtype),
+            "high": _bound_to_json(space.high, space.dtype),
             "shape": list(space.shape),
             "dtype": np.dtype(space.dtype).name,
         }
@@ -108,18 +108,25 @@ def space_to_json(space: gym.Space) -> dict[str, Any]:
     raise UnsupportedSpaceError(type(space).__name__, "space", SPACE_TYPES)
 
 
-def _bound_to_json(bound: np.ndarray) -> Any:
-    """A number when every element is equal, else a nested list; infinities as "inf"/"-inf"."""
-    flat = np.asarray(bound, dtype=np.float64).ravel()
+def _bound_to_json(bound: np.ndarray, dtype: Any) -> Any:
+    """A number when every element is equal, else a nested list; infinities as "inf"/"-inf".
+
+    Numbers are written in the shortest form that reads back to the same value in ``dtype``.
+    """
+    arr = np.asarray(bound)
+    flat = arr.ravel()
     if flat.size and np.all(flat == flat[0]):
-        return _num_to_json(flat[0])
-    return np.vectorize(_num_to_json, otypes=[object])(np.asarray(bound, np.float64)).tolist()
+        return _num_to_json(flat[0], dtype)
+    return np.vectorize(lambda x: _num_to_json(x, dtype), otypes=[object])(arr).tolist()
 
 
-def _num_to_json(x: float) -> Any:
-    if math.isinf(x):
+def _num_to_json(x: Any, dtype: Any) -> Any:
+    x = np.asarray(x).astype(dtype)[()] if np.issubdtype(np.dtype(dtype), np.floating) else x
+    if math.isinf(float(x)):
         return "inf" if x > 0 else "-inf"
-    return int(x) if float(x).is_integer() and abs(x) < 2**53 else float(x)
+    if float(x).is_integer() and abs(float(x)) < 2**53:
+        return int(x)
+    return float(str(x)) if isinstance(x, np.floating) else float(x)
 
 
 # --------------------------------------------------------------------------- from JSON

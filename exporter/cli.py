@@ -1,0 +1,190 @@
+"""The ``policy-export`` command line: a thin layer over the Python API.
+
+Exit codes: 0 success; 1 a check failed (parity, hashes); 2 bad input or usage (one line on
+stderr, no traceback); 3 an unexpected internal error (``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+PROG = "policy-export"
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> None:
+    p.add_argument("--samples", type=int, default=samples_default, metavar="N",
+                   help="observations sampled for parity" + (f" (default {samples_default})" if samples_default else
+                                                             " (default 0: golden inputs only)"))
+    p.add_argument("--atol", type=float, default=None, metavar="X", help="default absolute tolerance (1e-5)")
+    p.add_argument("--rtol", type=float, default=None, metavar="X", help="default relative tolerance (1e-5)")
+    p.add_argument("--tolerance", action="append", default=[], metavar="KEY=ATOL[:RTOL]",
+                   help="tolerance for one output; repeatable")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
+    p.add_argument("--report-json", metavar="F", help="write the parity report as JSON to F")
+    p.add_argument("--junit", metavar="F", help="write JUnit XML (one test case per format and output) to F")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
+    parser.add_argument("--debug", action="store_true", help="show library logs and tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show library logs and tracebacks")
+
+    ex = sub.add_parser("export", parents=[common], help="export a policy spec directory to every format and check parity")
+    ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
+    ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
+    ex.add_argument("--formats", default=None, metavar="LIST",
+                    help="comma-separated subset of saved_model,frozen_graph,onnx,keras (default all)")
+    ex.add_argument("--opset", type=int, default=17, metavar="N", help="ONNX opset (default 17)")
+    ex.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the parity samples (default 0)")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
+    _parity_options(ex, 1000)
+
+    ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
+    ve.add_argument("out", metavar="OUT", help="export directory")
+    ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
+    _parity_options(ve, 0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() else 140  # CI logs: no wrapping of the parity table
+    out, err = Console(width=width), Console(stderr=True)
+    try:
+        return {"export": _cmd_export, "verify": _cmd_verify}[args.command](args, out)
+    except KeyboardInterrupt:
+        err.print(f"{PROG}: interrupted; nothing was written")
+        return 130
+    except Exception as e:  # the one place every error is turned into an exit code
+        from policy.errors import PolicyExportError
+
+        if args.debug:
+            err.print_exception()
+        if isinstance(e, PolicyExportError):
+            report = getattr(e, "report", None)
+            if report is not None:
+                from exporter.reports import parity_table
+
+                out.print(parity_table(report, "parity"))
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return e.exit_code
+        print(f"{PROG}: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _tolerances(args, base=None):
+    from exporter.parity import Tolerance, Tolerances
+    from policy.errors import InputError
+
+    tol = base or Tolerances()
+    default = Tolerance(args.atol if args.atol is not None else tol.default.atol,
+                        args.rtol if args.rtol is not None else tol.default.rtol)
+    if default.atol < 0 or default.rtol < 0:
+        raise InputError("--atol and --rtol must be non-negative")
+    per_output = dict(tol.per_output)
+    for item in args.tolerance:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--tolerance {item!r}: expected KEY=ATOL[:RTOL]")
+        per_output[key] = Tolerance.parse(value)
+    return Tolerances(default, per_output)
+
+
+def _emit_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
+    from exporter import reports
+
+    if args.report_json:
+        reports.write_json(args.report_json, {**(extra or {}), "file_problems": list(file_problems),
+                                              "passed": report.passed and not file_problems, **report.to_json()})
+    if args.junit:
+        Path(args.junit).write_text(reports.junit_xml(report, suite, file_problems), encoding="utf-8")
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as f:
+            f.write(reports.markdown_summary(report, suite, file_problems))
+
+
+def _heavy_imports(args) -> None:
+    """Import TensorFlow and friends quietly; called after the cheap input checks."""
+    from exporter.quiet import quiet_libraries
+
+    quiet_libraries(getattr(args, "debug", False))
+
+
+def _cmd_export(args, console) -> int:
+    from exporter.context import check_opset, resolve_formats
+    from exporter.staging import check_target
+    from policy.errors import InputError
+    from policy.spec import load_spec
+
+    start = time.perf_counter()
+    # cheap checks first: bad input fails in a fraction of a second, before TensorFlow loads
+    formats = resolve_formats([f.strip() for f in args.formats.split(",") if f.strip()] if args.formats else None)
+    check_opset(args.opset)
+    if args.samples < 1:
+        raise InputError(f"--samples must be at least 1, got {args.samples}")
+    tolerances = _tolerances(args)
+    load_spec(args.spec)
+    check_target(Path(args.out).absolute(), args.overwrite)
+    _heavy_imports(args)
+
+    from exporter.api import ParityFailedError, export_spec
+    from exporter.reports import parity_table
+
+    try:
+        result = export_spec(args.spec, args.out, device=args.device, formats=formats, opset=args.opset,
+                             samples=args.samples, seed=args.seed, tolerances=tolerances,
+                             overwrite=args.overwrite)
+    except ParityFailedError as e:
+        if e.report is not None:
+            _emit_reports(args, e.report, "export")
+        raise
+    _emit_reports(args, result.parity, "export", extra={"path": str(result.path)})
+    console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples vs the TF session "
+                                              f"({result.parity.devices.get('tf_device')}, "
+                                              f"{', '.join(result.parity.devices.get('onnxruntime_providers_used', []))})"))
+    console.print(f"exported [bold]{result.path}[/bold]: {', '.join(result.formats)} "
+                  f"({len(result.files)} files) in {time.perf_counter() - start:.1f} s")
+    return EXIT_OK
+
+
+def _cmd_verify(args, console) -> int:
+    from exporter.manifest import read_manifest
+    from exporter.parity import Tolerances
+
+    doc = read_manifest(Path(args.out))
+    tolerances = _tolerances(args, Tolerances.from_json(doc["tolerances"]))
+    _heavy_imports(args)
+
+    from exporter.api import verify_export
+    from exporter.reports import parity_table
+
+    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances)
+    _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
+    console.print(parity_table(result.parity, f"verify {args.out}: golden outputs ({result.parity.samples} samples)"))
+    for problem in result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]:
+        console.print(f"[bold red]{problem}[/bold red]", soft_wrap=True)
+    if not result.passed:
+        failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
+        print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    console.print(f"verified [bold]{args.out}[/bold]: files match the manifest, every format matches")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

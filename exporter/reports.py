@@ -1,0 +1,85 @@
+"""Render parity reports: a rich table, JSON, JUnit XML, and a Markdown summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from exporter.parity import OutputParity, ParityReport
+
+
+def _fmt(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _tolerance(r: OutputParity) -> str:
+    return "exact" if r.exact else f"{r.atol:g}/{r.rtol:g}"
+
+
+def parity_table(report: ParityReport, title: str):
+    """A rich Table with one row per format and output."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("format", "output", "dtype", "shape", "max abs", "max rel", "atol/rtol", "min atol", "result"):
+        table.add_column(column, justify="right" if column.startswith(("max", "min")) else "left", no_wrap=True)
+    for r in report.records:
+        result = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
+        shape = "x".join(str(d) for d in r.shape)
+        table.add_row(r.format, r.key, r.dtype, shape, _fmt(r.max_abs_err), _fmt(r.max_rel_err),
+                      _tolerance(r), "-" if r.exact else _fmt(r.min_atol_to_pass), result)
+    return table
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = ()) -> str:
+    """JUnit XML: one test case per format and output (plus one for the file hashes, if checked)."""
+    cases = []
+    for r in report.records:
+        case = ET.Element("testcase", classname=f"{suite}.{r.format}", name=r.key, time="0")
+        if not r.passed:
+            failure = ET.SubElement(case, "failure", message=r.describe(), type="ParityMismatch")
+            failure.text = r.describe()
+        cases.append(case)
+    for fmt, message in report.errors.items():
+        case = ET.Element("testcase", classname=f"{suite}.{fmt}", name="load", time="0")
+        ET.SubElement(case, "failure", message=message, type="LoadError").text = message
+        cases.append(case)
+    if suite.startswith("verify"):
+        case = ET.Element("testcase", classname=f"{suite}.files", name="sha256", time="0")
+        if file_problems:
+            failure = ET.SubElement(case, "failure", message="; ".join(file_problems), type="FileMismatch")
+            failure.text = "\n".join(file_problems)
+        cases.append(case)
+    failures = sum(1 for c in cases if c.find("failure") is not None)
+    root = ET.Element("testsuites", tests=str(len(cases)), failures=str(failures))
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
+                       errors="0", skipped="0", time="0")
+    props = ET.SubElement(ts, "properties")
+    for key, value in report.devices.items():
+        ET.SubElement(props, "property", name=f"device.{key}", value=str(value))
+    ts.extend(cases)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[str] = ()) -> str:
+    """A Markdown table for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``)."""
+    status = "passed" if report.passed and not file_problems else "FAILED"
+    lines = [f"### {title}: {status}", ""]
+    lines += [f"- {p}" for p in file_problems]
+    lines += [f"- {fmt}: {message}" for fmt, message in report.errors.items()]
+    lines += ["", "| format | output | max abs err | max rel err | tolerance | result |", "|---|---|---|---|---|---|"]
+    for r in report.records:
+        lines.append(f"| {r.format} | {r.key} | {_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | "
+                     f"{_tolerance(r)} | {'pass' if r.passed else 'FAIL'} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,76 @@
+"""Shared test fixtures: the declared fixture matrix and one export per fixture per session."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES_DIR = ROOT / "fixtures"
+# every bundled fixture must be listed here (test_matrix_covers_every_fixture checks it)
+FIXTURES = ["cartpole_mlp", "pendulum_mlp"]
+FORMATS = ["saved_model", "frozen_graph", "onnx", "keras"]
+
+
+def pytest_configure(config):
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+
+def gpu_available() -> tuple[bool, str]:
+    from exporter.devices import gpu_availability
+
+    tf_gpu, ort_gpu = gpu_availability()
+    if not tf_gpu:
+        return False, "no GPU visible to TensorFlow"
+    if not ort_gpu:
+        return False, "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    ok, reason = gpu_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """``exports(name)`` -> (ExportResult, path): each fixture exported once, on CPU, 1,000 samples."""
+    from exporter import export_spec
+
+    cache = {}
+    base = tmp_path_factory.mktemp("exports")
+
+    def get(name: str):
+        if name not in cache:
+            out = base / name
+            cache[name] = (export_spec(FIXTURES_DIR / name, out, device="cpu"), out)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def policies():
+    """``policies(name)`` -> a TFPolicy built from the fixture (cached for the session)."""
+    from policy import TFPolicy, load_spec
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = TFPolicy.from_spec(load_spec(FIXTURES_DIR / name))
+        return cache[name]
+
+    return get

@@ -1,0 +1,118 @@
+"""The ``policy-export`` console script end to end, in subprocesses, as CI would call it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES_DIR
+
+SCRIPT = Path(sys.executable).parent / "policy-export"
+NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback", "oneDNN")
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "exporter"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def assert_quiet(stderr: str) -> None:
+    for word in NOISE:
+        assert word not in stderr, f"library noise on stderr: {stderr[:500]}"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "cartpole"
+    junit = out.parent / "export.xml"
+    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(out), "--samples", "300",
+               "--junit", str(junit), "--report-json", str(out.parent / "export.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert_quiet(proc.stderr)
+    assert "onnx" in proc.stdout and "pass" in proc.stdout and "FAIL" not in proc.stdout
+    return out
+
+
+def test_export_then_verify(exported):
+    proc = cli("verify", str(exported), "--samples", "100")
+    assert proc.returncode == 0, proc.stderr
+    assert_quiet(proc.stderr)
+    assert "verified" in proc.stdout
+
+
+def test_export_reports(exported):
+    report = json.loads((exported.parent / "export.json").read_text())
+    assert report["passed"] is True and report["samples"] == 300
+    keys = {(r["format"], r["key"]) for r in report["records"]}
+    assert ("onnx", "actions_0") in keys and ("keras_h5", "base_model_out") in keys
+    suite = ET.parse(exported.parent / "export.xml").getroot()
+    cases = suite.findall(".//testcase")
+    assert len(cases) == len(report["records"]) and suite.find(".//failure") is None
+
+
+def test_tampered_export_fails_verify_naming_the_file(exported, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    with open(copy / "model.onnx", "ab") as f:
+        f.write(b"\0")
+    junit = tmp_path / "verify.xml"
+    proc = cli("verify", str(copy), "--junit", str(junit))
+    assert proc.returncode == 1
+    assert "changed file model.onnx" in proc.stdout
+    failures = ET.parse(junit).getroot().findall(".//failure")
+    assert any("model.onnx" in (f.get("message") or "") for f in failures)
+
+
+def test_existing_output_is_exit_2_without_traceback(exported):
+    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(exported))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--overwrite" in proc.stderr
+    assert_quiet(proc.stderr)
+
+
+@pytest.mark.parametrize("setup, args, fragment", [
+    (lambda d: (d / "policy.json").write_text("{nope"), [], "not valid JSON"),
+    (lambda d: (d / "policy.json").write_text(json.dumps({"format_version": 1})), [], "$.name: missing"),
+    (lambda d: None, [], "file not found"),
+    (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--opset", "3"], "opset 3"),
+    (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--formats", "tflite"],
+     "unknown format"),
+    (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--tolerance", "x"],
+     "KEY=ATOL"),
+])
+def test_bad_input_is_one_line_and_exit_2(setup, args, fragment, tmp_path):
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    setup(spec)
+    proc = cli("export", str(spec), "--out", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("policy-export: error:") and fragment in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_of_a_non_export_is_exit_2(tmp_path):
+    proc = cli("verify", str(tmp_path))
+    assert proc.returncode == 2 and "has no manifest.json" in proc.stderr
+
+
+def test_usage_error_is_exit_2():
+    proc = cli("export")
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def test_module_entry_point_and_fast_help():
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys, exporter.cli; exporter.cli.build_parser(); print('tensorflow' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False"  # --help does not import TensorFlow
+    proc = subprocess.run([sys.executable, "-m", "exporter", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "verify" in proc.stdout

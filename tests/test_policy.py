@@ -1,0 +1,183 @@
+"""TFPolicy: actions, weights, h5 import/export, and wrapping a user's own session."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gymnasium as gym
+import h5py
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import FIXTURES, FIXTURES_DIR
+from policy import InputError, TFPolicy, WeightsError, load_spec
+from policy.h5io import read_h5_weights, write_h5_weights
+
+tf1 = tf.compat.v1
+
+
+def observations(policy: TFPolicy, n: int = 64, seed: int = 0) -> np.ndarray:
+    space = policy.observation_space
+    space.seed(seed)
+    return np.stack([space.sample() for _ in range(n)])
+
+
+def fresh_policy(name: str, seed: int) -> TFPolicy:
+    """The fixture's architecture with weights initialised from another seed (no weights file)."""
+    spec = dataclasses.replace(load_spec(FIXTURES_DIR / name), weights=None, seed=seed)
+    return TFPolicy.from_spec(spec)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_deterministic_actions_are_repeatable_and_explore_samples(name, policies):
+    policy = policies(name)
+    obs = observations(policy, 256)
+    first = policy.compute_actions(obs).actions
+    assert np.array_equal(first, policy.compute_actions(obs).actions)
+    assert first.shape[0] == 256 and policy.action_space.contains(first[0])
+    sampled = policy.compute_actions(obs, explore=True).actions
+    assert not np.array_equal(sampled, first)
+    assert all(policy.action_space.contains(a) for a in sampled)
+
+
+def test_discrete_action_is_argmax_and_prob_matches_softmax(policies):
+    policy = policies("cartpole_mlp")
+    out = policy.compute_actions(observations(policy)).fetches
+    logits = out["action_dist_inputs"]
+    assert np.array_equal(out["actions_0"], logits.argmax(axis=1))
+    softmax = np.exp(logits - logits.max(1, keepdims=True))
+    softmax /= softmax.sum(1, keepdims=True)
+    np.testing.assert_allclose(out["action_prob"], softmax.max(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(out["action_logp"], np.log(softmax.max(axis=1)), atol=1e-5)
+
+
+def test_box_action_is_clipped_mean_with_gaussian_logp(policies):
+    policy = policies("pendulum_mlp")
+    out = policy.compute_actions(observations(policy)).fetches
+    mean, log_std = np.split(out["action_dist_inputs"], 2, axis=1)
+    low, high = policy.action_space.low, policy.action_space.high
+    np.testing.assert_allclose(out["actions_0"], np.clip(mean, low, high), atol=1e-6)
+    expected_logp = (-log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)  # density at the mean
+    np.testing.assert_allclose(out["action_logp"], expected_logp, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_h5_round_trip_gives_identical_outputs(name, policies, tmp_path):
+    source = policies(name)
+    path = source.export_weights_h5(tmp_path / "w.h5")
+    target = fresh_policy(name, seed=123)
+    obs = observations(source)
+    before = target.compute_actions(obs).fetches["action_dist_inputs"]
+    want = source.compute_actions(obs).fetches["action_dist_inputs"]
+    assert not np.allclose(before, want)  # a different seed really gives different weights
+    target.import_model_from_h5(path)
+    got = target.compute_actions(obs).fetches
+    for key, value in source.compute_actions(obs).fetches.items():
+        np.testing.assert_array_equal(got[key], value)
+    target.close()
+
+
+def test_h5_is_loadable_by_keras_by_name(policies, tmp_path):
+    import tf_keras as keras
+
+    policy = policies("cartpole_mlp")
+    path = policy.export_weights_h5(tmp_path / "w.h5")
+    model = keras.Model.from_config(policy.model.get_config())
+    model.load_weights(str(path), by_name=True)
+    obs = observations(policy)
+    np.testing.assert_allclose(model(obs).numpy(), policy.compute_actions(obs).fetches["action_dist_inputs"], atol=1e-6)
+
+
+def _corrupt(src, dst, edit):
+    weights = read_h5_weights(src)
+    edit(weights)
+    write_h5_weights(dst, weights)
+    return dst
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda w: w.__setitem__("fc_1/kernel", np.zeros((4, 17), np.float32)),
+     ["'fc_1/kernel' has shape [4, 17], the policy expects [4, 16]"]),
+    (lambda w: (w.__setitem__("fc_2/kernel", np.zeros((3, 3), np.float32)),
+                w.__setitem__("fc_out/bias", np.zeros(5, np.float32))),
+     ["'fc_2/kernel' has shape [3, 3]", "'fc_out/bias' has shape [5]"]),
+    (lambda w: w.pop("fc_2/bias"), ["missing weight 'fc_2/bias'"]),
+    (lambda w: w.__setitem__("fc_9/kernel", np.zeros((2, 2), np.float32)), ["unexpected weight 'fc_9/kernel'"]),
+    (lambda w: w.__setitem__("fc_1/bias", np.full(16, np.nan, np.float32)), ["'fc_1/bias' holds NaN or Inf"]),
+])
+def test_bad_h5_names_every_problem_and_changes_nothing(edit, fragments, tmp_path):
+    policy = fresh_policy("cartpole_mlp", seed=5)
+    good = FIXTURES_DIR / "cartpole_mlp" / "weights.h5"
+    bad = _corrupt(good, tmp_path / "bad.h5", edit)
+    before = policy.get_weights()
+    with pytest.raises(WeightsError) as info:
+        policy.import_model_from_h5(bad)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    after = policy.get_weights()
+    assert before.keys() == after.keys()
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key])
+    policy.close()
+
+
+def test_non_finite_weights_allowed_when_asked(tmp_path):
+    policy = fresh_policy("cartpole_mlp", seed=5)
+    bad = _corrupt(FIXTURES_DIR / "cartpole_mlp" / "weights.h5", tmp_path / "inf.h5",
+                   lambda w: w.__setitem__("fc_out/bias", np.array([np.inf, 0], np.float32)))
+    policy.import_model_from_h5(bad, allow_non_finite=True)
+    assert np.isinf(policy.get_weights()["fc_out/bias"][0])
+    policy.close()
+
+
+@pytest.mark.parametrize("content", [b"", b"not an hdf5 file at all", b"\x89HDF\r\n\x1a\n" + b"\0" * 40])
+def test_unreadable_h5_is_a_weights_error(content, tmp_path):
+    path = tmp_path / "w.h5"
+    path.write_bytes(content)
+    with pytest.raises(WeightsError, match="not a readable HDF5"):
+        read_h5_weights(path)
+
+
+def test_h5_without_keras_layout(tmp_path):
+    path = tmp_path / "w.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(WeightsError, match="not a Keras weights file"):
+        read_h5_weights(path)
+
+
+@pytest.mark.parametrize("obs, fragment", [
+    (np.zeros((2, 5), np.float32), "expected shape [batch, 4], got [2, 5]"),
+    (np.zeros((4,), np.float32), "expected shape [batch, 4], got [4]"),
+    (np.array([["a"] * 4]), "cannot be safely cast"),
+])
+def test_wrong_observations_are_input_errors(obs, fragment, policies):
+    with pytest.raises(InputError) as info:
+        policies("cartpole_mlp").compute_actions(obs)
+    assert fragment in str(info.value)
+
+
+def test_wrapping_a_hand_built_session():
+    """A user's own graph: placeholders, variables, no Keras model, no explore switch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        obs = tf1.placeholder(tf.float32, (None, 3), name="my_obs")
+        w = tf1.get_variable("w", initializer=np.arange(6, dtype=np.float32).reshape(3, 2) / 10)
+        logits = tf.matmul(obs, w, name="logits")
+        action = tf.argmax(logits, axis=1, name="act")
+        logp = tf.reduce_max(tf.nn.log_softmax(logits), axis=1)
+        sess = tf1.Session(graph=graph)
+        sess.run(tf1.global_variables_initializer())
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    policy = TFPolicy(space, gym.spaces.Discrete(2), sess, observations=obs, sampled_action=action,
+                      action_logp=logp, action_dist_inputs=logits)
+    assert list(policy.inputs) == ["observations"]
+    assert list(policy.outputs) == ["actions_0", "action_dist_inputs", "action_logp", "action_prob"]
+    x = np.array([[1, 0, 0], [0, 0, -1]], np.float32)
+    result = policy.compute_actions(x)
+    np.testing.assert_array_equal(result.actions, [1, 0])
+    np.testing.assert_allclose(result.fetches["action_prob"], np.exp(result.fetches["action_logp"]))
+    assert list(policy.get_weights()) == ["w"]
+    with pytest.raises(InputError, match="no explore input"):
+        policy.compute_actions(x, explore=True)
