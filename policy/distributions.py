@@ -1,11 +1,18 @@
 """Action distributions over the base model's outputs, as TF graph ops.
 
-Each distribution has ``deterministic_sample()``, ``sample()``, ``logp(actions)`` and
-``num_inputs``; actions are float32 for Box and int64 for discrete spaces.
+:class:`ActionDistribution` splits ``action_dist_inputs`` over the action space's leaves
+(gymnasium's flatten order) and gives each leaf its distribution:
 
-Box actions: the Gaussian's mean is the deterministic action; every action, deterministic or
-sampled, is clipped to the space's finite bounds inside the graph, so every format computes the
-same clipped action. ``action_logp`` is the log-density of the unclipped action.
+| leaf | distribution | deterministic action | dtype |
+|---|---|---|---|
+| Discrete | categorical over ``n`` logits | argmax (+ start) | int64 |
+| MultiDiscrete | one categorical per component | argmax per component | int64 |
+| MultiBinary | independent Bernoulli per element | ``logit > 0`` | int8 |
+| Box (float) | diagonal Gaussian ``[mean, log_std]`` | mean | float32 |
+
+Box actions, deterministic or sampled, are clipped to the space's finite bounds inside the graph,
+so every format computes the same clipped action; ``action_logp`` is the log-density of the
+unclipped action.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from policy.errors import UnsupportedSpaceError
+from policy.spaces import leaves
 
 
 class Categorical:
@@ -25,6 +33,7 @@ class Categorical:
     def __init__(self, inputs: tf.Tensor, space: gym.spaces.Discrete):
         self.logits = inputs
         self.start = int(space.start)
+        self.n = int(space.n)
 
     @staticmethod
     def required_inputs(space: gym.spaces.Discrete) -> int:
@@ -38,14 +47,68 @@ class Categorical:
         return self._shift(tf.squeeze(draws, axis=-1))
 
     def logp(self, actions: tf.Tensor) -> tf.Tensor:
+        # one_hot * log_softmax rather than sparse_softmax_cross_entropy_with_logits: tf2onnx's
+        # conversion of the latter mixes up depths when a graph holds several of them
         labels = actions - self.start if self.start else actions
-        return -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=self.logits)
+        picked = tf.one_hot(labels, self.n, dtype=self.logits.dtype) * tf.nn.log_softmax(self.logits)
+        return tf.reduce_sum(picked, axis=-1)
 
     def postprocess(self, actions: tf.Tensor) -> tf.Tensor:
         return actions
 
     def _shift(self, x: tf.Tensor) -> tf.Tensor:
         return x + self.start if self.start else x
+
+
+class MultiCategorical:
+    """One categorical per MultiDiscrete component; actions ``[batch, k]`` int64."""
+
+    def __init__(self, inputs: tf.Tensor, space: gym.spaces.MultiDiscrete):
+        sizes = [int(n) for n in np.asarray(space.nvec).ravel()]
+        self.shape = tuple(space.shape)
+        self.parts = [Categorical(x, gym.spaces.Discrete(n)) for x, n in zip(tf.split(inputs, sizes, axis=-1), sizes)]
+
+    @staticmethod
+    def required_inputs(space: gym.spaces.MultiDiscrete) -> int:
+        return int(np.sum(space.nvec))
+
+    def deterministic_sample(self) -> tf.Tensor:
+        return tf.stack([p.deterministic_sample() for p in self.parts], axis=-1)
+
+    def sample(self) -> tf.Tensor:
+        return tf.stack([p.sample() for p in self.parts], axis=-1)
+
+    def logp(self, actions: tf.Tensor) -> tf.Tensor:
+        return tf.add_n([p.logp(a) for p, a in zip(self.parts, tf.unstack(actions, axis=-1))])
+
+    def postprocess(self, actions: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(actions, (-1, *self.shape)) if len(self.shape) != 1 else actions
+
+
+class Bernoulli:
+    """Independent Bernoulli per MultiBinary element; actions int8 in the space's shape."""
+
+    def __init__(self, inputs: tf.Tensor, space: gym.spaces.MultiBinary):
+        self.logits = inputs
+        self.shape = tuple(int(d) for d in space.shape)
+
+    @staticmethod
+    def required_inputs(space: gym.spaces.MultiBinary) -> int:
+        return int(np.prod(space.shape))
+
+    def deterministic_sample(self) -> tf.Tensor:
+        return tf.cast(self.logits > 0.0, tf.int8)
+
+    def sample(self) -> tf.Tensor:
+        u = tf.random.uniform(tf.shape(self.logits), dtype=self.logits.dtype)
+        return tf.cast(u < tf.sigmoid(self.logits), tf.int8)
+
+    def logp(self, actions: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(actions, self.logits.dtype)
+        return tf.reduce_sum(x * tf.math.log_sigmoid(self.logits) + (1.0 - x) * tf.math.log_sigmoid(-self.logits), axis=-1)
+
+    def postprocess(self, actions: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(actions, (-1, *self.shape)) if len(self.shape) != 1 else actions
 
 
 class DiagGaussian:
@@ -57,6 +120,7 @@ class DiagGaussian:
         self.mean, self.log_std = tf.split(inputs, 2, axis=-1)
         self.low = np.asarray(space.low, np.float32).reshape(-1)
         self.high = np.asarray(space.high, np.float32).reshape(-1)
+        self.dtype = tf.as_dtype(space.dtype)
 
     @staticmethod
     def required_inputs(space: gym.spaces.Box) -> int:
@@ -74,15 +138,22 @@ class DiagGaussian:
         return tf.reduce_sum(-0.5 * tf.square(z) - self.log_std, axis=-1) - 0.5 * math.log(2.0 * math.pi) * self.size
 
     def postprocess(self, actions: tf.Tensor) -> tf.Tensor:
-        """Clip to the finite bounds and reshape to the space's shape."""
-        low = np.where(np.isfinite(self.low), self.low, np.finfo(np.float32).min)
-        high = np.where(np.isfinite(self.high), self.high, np.finfo(np.float32).max)
+        """Clip to the finite bounds, reshape to the space's shape, cast to its dtype."""
         if np.isfinite(self.low).any() or np.isfinite(self.high).any():
+            low = np.where(np.isfinite(self.low), self.low, np.finfo(np.float32).min)
+            high = np.where(np.isfinite(self.high), self.high, np.finfo(np.float32).max)
             actions = tf.clip_by_value(actions, low, high)
-        return tf.reshape(actions, (-1, *self.shape)) if self.shape != (self.size,) else actions
+        if self.shape != (self.size,):
+            actions = tf.reshape(actions, (-1, *self.shape))
+        return tf.cast(actions, self.dtype) if self.dtype != actions.dtype else actions
 
 
-_DISTRIBUTIONS = {gym.spaces.Discrete: Categorical, gym.spaces.Box: DiagGaussian}
+_DISTRIBUTIONS = {
+    gym.spaces.Discrete: Categorical,
+    gym.spaces.MultiDiscrete: MultiCategorical,
+    gym.spaces.MultiBinary: Bernoulli,
+    gym.spaces.Box: DiagGaussian,
+}
 SUPPORTED_ACTION_SPACES = tuple(_DISTRIBUTIONS)
 
 
@@ -91,6 +162,37 @@ def distribution_class(space: gym.Space, where: str = "action_space"):
     for space_type, cls in _DISTRIBUTIONS.items():
         if isinstance(space, space_type):
             if isinstance(space, gym.spaces.Box) and not np.issubdtype(space.dtype, np.floating):
-                raise UnsupportedSpaceError(f"Box({space.dtype})", where, ["Box(float)", "Discrete"])
+                raise UnsupportedSpaceError(f"Box({np.dtype(space.dtype).name})", where,
+                                            ["Box (float)", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple"])
             return cls
-    raise UnsupportedSpaceError(type(space).__name__, where, [t.__name__ for t in _DISTRIBUTIONS])
+    raise UnsupportedSpaceError(type(space).__name__, where,
+                                ["Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple"])
+
+
+class ActionDistribution:
+    """The joint distribution over every leaf of an action space (lists are in leaf order)."""
+
+    def __init__(self, inputs: tf.Tensor, space: gym.Space):
+        self.leaves = list(leaves(space))
+        classes = [distribution_class(leaf.space, "action_space" + "".join(f"/{p}" for p in leaf.path))
+                   for leaf in self.leaves]
+        sizes = [cls.required_inputs(leaf.space) for cls, leaf in zip(classes, self.leaves)]
+        chunks = tf.split(inputs, sizes, axis=-1) if len(sizes) > 1 else [inputs]
+        self.parts = [cls(x, leaf.space) for cls, x, leaf in zip(classes, chunks, self.leaves)]
+
+    @staticmethod
+    def required_inputs(space: gym.Space) -> int:
+        return sum(distribution_class(leaf.space).required_inputs(leaf.space) for leaf in leaves(space))
+
+    def deterministic_sample(self) -> list[tf.Tensor]:
+        return [p.deterministic_sample() for p in self.parts]
+
+    def sample(self) -> list[tf.Tensor]:
+        return [p.sample() for p in self.parts]
+
+    def logp(self, actions: list[tf.Tensor]) -> tf.Tensor:
+        terms = [p.logp(a) for p, a in zip(self.parts, actions)]
+        return terms[0] if len(terms) == 1 else tf.add_n(terms)
+
+    def postprocess(self, actions: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [p.postprocess(a) for p, a in zip(self.parts, actions)]

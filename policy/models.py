@@ -1,28 +1,99 @@
-"""Keras (tf-keras, Keras 2) base models: named layers so that weights match by name."""
+"""Keras (tf-keras, Keras 2) base models, and the in-graph preprocessing that feeds them.
+
+Each observation leaf becomes one model input (see :func:`preprocess`): Box leaves as float32
+(uint8 scaled by 1/255), Discrete as one-hot, MultiDiscrete as concatenated one-hots,
+MultiBinary as float32. Rank-3 Box leaves (HxWxC images) go through ``conv_filters`` when the
+spec has them; everything is flattened, concatenated, and passed through ``hiddens``.
+Layers are named so that weights match by name: ``fc_1..fc_N``, ``fc_out``, ``<leaf>_conv_<i>``.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import gymnasium as gym
+import numpy as np
+import tensorflow as tf
 import tf_keras as keras
 
+from policy.spaces import Leaf, leaves
 from policy.spec import ModelConfig
 
 BASE_MODEL_NAME = "base_model"
-MODEL_INPUT_NAME = "obs_flat"
 
 
-def build_mlp(input_dim: int, config: ModelConfig, num_outputs: int) -> keras.Model:
-    """A dense network ``fc_1..fc_N`` with ``config.activation``, then a linear ``fc_out``.
+@dataclass(frozen=True)
+class ModelInput:
+    """One base-model input: its Keras name, per-sample shape, and whether it is an image."""
 
-    Returns a functional model taking a float32 batch ``(B, input_dim)`` and returning ``(B, num_outputs)``.
-    """
-    inputs = keras.Input(shape=(input_dim,), name=MODEL_INPUT_NAME, dtype="float32")
-    x = inputs
+    name: str
+    shape: tuple[int, ...]
+    image: bool
+
+
+def input_name(leaf: Leaf) -> str:
+    """Keras input name of an observation leaf: ``obs`` for a flat space, else ``obs_<path>``."""
+    return "obs" if not leaf.path else "obs_" + "_".join(re.sub(r"\W", "_", p) for p in leaf.path)
+
+
+def model_inputs(space: gym.Space, config: ModelConfig) -> list[ModelInput]:
+    """The base model's inputs for an observation space, in leaf order."""
+    out = []
+    for leaf in leaves(space):
+        s = leaf.space
+        if isinstance(s, gym.spaces.Box):
+            image = len(s.shape) == 3 and bool(config.conv_filters)
+            shape = tuple(s.shape) if image else (int(np.prod(s.shape)),)
+        elif isinstance(s, gym.spaces.Discrete):
+            shape = (int(s.n),)
+            image = False
+        elif isinstance(s, gym.spaces.MultiDiscrete):
+            shape = (int(np.sum(s.nvec)),)
+            image = False
+        elif isinstance(s, gym.spaces.MultiBinary):
+            shape = (int(np.prod(s.shape)),)
+            image = False
+        else:  # pragma: no cover - check_supported runs first
+            raise TypeError(type(s).__name__)
+        out.append(ModelInput(input_name(leaf), shape, image))
+    return out
+
+
+def preprocess(leaf: Leaf, tensor: tf.Tensor, spec: ModelInput) -> tf.Tensor:
+    """Graph ops turning one raw observation leaf into its float32 model input."""
+    s = leaf.space
+    if isinstance(s, gym.spaces.Box):
+        x = tf.cast(tensor, tf.float32)
+        if s.dtype == np.uint8:
+            x = x * (1.0 / 255.0)
+        return x if spec.image else tf.reshape(x, (-1, spec.shape[0]))
+    if isinstance(s, gym.spaces.Discrete):
+        return tf.one_hot(tensor - int(s.start), int(s.n), dtype=tf.float32)
+    if isinstance(s, gym.spaces.MultiDiscrete):
+        parts = [tf.one_hot(tensor[:, i], int(n), dtype=tf.float32) for i, n in enumerate(s.nvec)]
+        return tf.concat(parts, axis=-1)
+    return tf.reshape(tf.cast(tensor, tf.float32), (-1, spec.shape[0]))
+
+
+def build_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int) -> keras.Model:
+    """Functional model: conv stacks for image inputs, concat, ``fc_1..fc_N``, linear ``fc_out``."""
+    k_inputs, features = [], []
+    for spec in inputs:
+        x = keras.Input(shape=spec.shape, name=spec.name, dtype="float32")
+        k_inputs.append(x)
+        if spec.image:
+            for i, (filters, kernel, stride) in enumerate(config.conv_filters, start=1):
+                x = keras.layers.Conv2D(filters, kernel, strides=stride, padding="same",
+                                        activation=config.activation, name=f"{spec.name}_conv_{i}")(x)
+            x = keras.layers.Flatten(name=f"{spec.name}_flatten")(x)
+        features.append(x)
+    x = features[0] if len(features) == 1 else keras.layers.Concatenate(name="concat_inputs")(features)
     for i, size in enumerate(config.hiddens, start=1):
         x = keras.layers.Dense(size, activation=config.activation, name=f"fc_{i}")(x)
     out = keras.layers.Dense(num_outputs, activation=None, name="fc_out")(x)
-    return keras.Model(inputs, out, name=BASE_MODEL_NAME)
+    return keras.Model(k_inputs, out, name=BASE_MODEL_NAME)
 
 
 def weight_key(layer_name: str, weight_name: str) -> str:

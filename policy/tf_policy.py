@@ -26,9 +26,9 @@ import numpy as np
 import tensorflow as tf
 
 from policy import h5io
-from policy.distributions import distribution_class
-from policy.errors import InputError, PolicyExportError, UnsupportedSpaceError, WeightsError
-from policy.models import build_mlp, named_weights
+from policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
+from policy.errors import InputError, PolicyExportError, UnsupportedSpaceError
+from policy.models import build_model, model_inputs, named_weights, preprocess
 from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaves
 from policy.spec import PolicySpec
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 OBSERVATIONS = "observations"
 EXPLORE, IS_TRAINING, TIMESTEP = "explore", "is_training", "timestep"
 ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB = "action_dist_inputs", "action_logp", "action_prob"
-SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box,)
+SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,8 @@ class TFPolicy:
         model: the Keras base model, if any (its weights are the policy's weights).
         model_io: (inputs, outputs) tensors of the base model inside the policy graph, used to
             check the standalone Keras files against the session.
+        raw_actions: the sampled actions before post-processing (clipping), one per action leaf;
+            feeding them lets parity ask the session for the log-probability of given actions.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class TFPolicy:
         extra_fetches: Mapping[str, tf.Tensor] | None = None,
         model: Any = None,
         model_io: tuple[Sequence[tf.Tensor], Sequence[tf.Tensor]] | None = None,
+        raw_actions: Sequence[tf.Tensor] | None = None,
         name: str = "policy",
     ):
         self.observation_space = observation_space
@@ -99,6 +102,7 @@ class TFPolicy:
         self.graph = session.graph
         self.model = model
         self.model_io = model_io
+        self.raw_actions = list(raw_actions) if raw_actions is not None else None
         self.name = name
 
         self.inputs: dict[str, tf.Tensor] = {}
@@ -141,14 +145,11 @@ class TFPolicy:
             WeightsError: the weights file does not fit (see :meth:`import_model_from_h5`).
         """
         check_supported(spec.observation_space, "observation_space", SUPPORTED_OBSERVATION_SPACES)
-        if spec.model.conv_filters or spec.model.lstm is not None:
-            raise UnsupportedSpaceError(
-                "conv_filters/lstm model", "model", ["hiddens/activation (MLP)"]
-            )
-        act_leaves = list(leaves(spec.action_space))
-        if len(act_leaves) != 1 or not act_leaves[0].path == ():
-            raise UnsupportedSpaceError(type(spec.action_space).__name__, "action_space", ["Box", "Discrete"])
-        dist_cls = distribution_class(spec.action_space)
+        check_supported(spec.action_space, "action_space", SUPPORTED_ACTION_SPACES)
+        if spec.model.lstm is not None:
+            raise UnsupportedSpaceError("lstm model", "$.model.lstm", ["hiddens", "conv_filters"])
+        num_outputs = ActionDistribution.required_inputs(spec.action_space)
+        specs = model_inputs(spec.observation_space, spec.model)
 
         graph = tf.Graph()
         with graph.as_default(), tf.device(device):
@@ -163,25 +164,23 @@ class TFPolicy:
             is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
             timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
             with tf1.name_scope("preprocess"):
-                flat = [
-                    tf.reshape(tf.cast(t, tf.float32), (-1, int(np.prod(leaf_shape(leaf.space)))))
-                    for t, leaf in zip(obs_ph.values(), leaves(spec.observation_space))
-                ]
-                model_in = flat[0] if len(flat) == 1 else tf.concat(flat, axis=-1)
-            model = build_mlp(int(model_in.shape[-1]), spec.model, dist_cls.required_inputs(spec.action_space))
-            dist_inputs = tf.identity(model(model_in), name=ACTION_DIST_INPUTS)
-            dist = dist_cls(dist_inputs, spec.action_space)
+                model_in = [preprocess(leaf, t, s)
+                            for leaf, t, s in zip(leaves(spec.observation_space), obs_ph.values(), specs)]
+            model = build_model(specs, spec.model, num_outputs)
+            dist_inputs = tf.identity(model(model_in if len(model_in) > 1 else model_in[0]), name=ACTION_DIST_INPUTS)
+            dist = ActionDistribution(dist_inputs, spec.action_space)
             raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
+            raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
             logp = tf.identity(dist.logp(raw), name=ACTION_LOGP)
-            action = tf.identity(dist.postprocess(raw), name="actions_0")
+            actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(dist.postprocess(raw))]
             init = tf1.global_variables_initializer()
         session = tf1.Session(graph=graph, config=session_config(device))
         session.run(init)
         policy = cls(
             spec.observation_space, spec.action_space, session,
-            observations=obs_ph, sampled_action=action, action_logp=logp,
+            observations=obs_ph, sampled_action=actions, action_logp=logp,
             action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
-            model=model, model_io=([model_in], [dist_inputs]), name=spec.name,
+            model=model, model_io=(model_in, [dist_inputs]), raw_actions=raw, name=spec.name,
         )
         if spec.weights is not None:
             policy.import_model_from_h5(spec.weights)
