@@ -12,7 +12,7 @@ import datetime as _dt
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,22 @@ import numpy as np
 
 from exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
 from exporter.context import (
-    ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,
+    ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,  # noqa: F401 (re-exported)
 )
 from exporter.devices import DevicePlan, plan_devices
+from exporter.exploration import (
+    DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, compare_samples, logp_of_given_actions, repeated_observations,
+    sample_actions,
+)
+from exporter.exploration import summarize as summarize_exploration
 from exporter.parity import (
-    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, run_batched, sample_observations,
+    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, compare_arrays, run_batched,
+    sample_observations,
 )
 from exporter.staging import check_target, staged_directory
 from policy.errors import CheckFailedError, ExportError, InputError
 from policy.spaces import leaves, space_to_json
+from policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
 from signatures.builder import build_signature
 from signatures.contract import Contract
 
@@ -96,11 +103,16 @@ def export_policy(
     device: str | DevicePlan = "auto",
     overwrite: bool = False,
     batch_size: int = DEFAULT_BATCH,
+    explore_samples: int = DEFAULT_EXPLORE_SAMPLES,
+    inputs_as_nchw: bool = False,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
     Every format is compared with the TF session on ``samples`` observations sampled from the
-    observation space with ``seed``; the export is renamed into place only if parity passes.
+    observation space with ``seed``; with an ``explore`` input, sampled actions are compared as
+    distributions over ``explore_samples`` draws (0 skips that). The export is renamed into place
+    only if parity passes. ``inputs_as_nchw`` makes the ONNX model take rank-4 image inputs as
+    NCHW (and only those); parity then feeds each runtime its own layout.
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.
@@ -124,7 +136,7 @@ def export_policy(
     if "keras" in formats and policy.model is None:
         formats = tuple(f for f in formats if f != "keras")
         log.info("the policy has no Keras base model: skipping the keras format")
-    ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset)
+    ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw)
 
     with staged_directory(out, overwrite) as stage:
         records: dict[str, FormatRecord] = {}
@@ -135,8 +147,11 @@ def export_policy(
         golden_in = _golden_inputs(policy, signature.contract, samples, seed)
         golden_out = _reference_outputs(policy, golden_in, batch_size)
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
+        explore = None
+        if explore_samples > 0 and "explore" in signature.inputs:
+            explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size)
         _check_formats(stage, formats, signature.tensor_names(), plan, golden_in, golden_out,
-                       signature.contract, tolerances, batch_size, report)
+                       signature.contract, tolerances, batch_size, report, explore=explore)
         _write_golden(stage, golden_in, golden_out, report)
         doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
         manifest.write_manifest(stage, doc)
@@ -229,12 +244,40 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
     return out
 
 
+@dataclass
+class _ExploreSetup:
+    """Observations repeated for exploration parity, and the session's own samples for them."""
+
+    policy: Any
+    feeds: dict[str, np.ndarray]
+    observations: int
+    reference: dict[str, np.ndarray]
+    batch_size: int
+
+    @classmethod
+    def make(cls, policy, golden_in, contract: Contract, samples: int, batch_size: int) -> "_ExploreSetup":
+        required = {k: v for k, v in golden_in.items() if k in {s.key for s in contract.required_inputs}}
+        m = min(DEFAULT_OBSERVATIONS, len(next(iter(required.values()))))
+        feeds = repeated_observations(required, m, samples)
+        return cls(policy, feeds, m, sample_actions(policy.run, feeds, batch_size), batch_size)
+
+    def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
+        got = sample_actions(runner, self.feeds, self.batch_size)
+        report.exploration.extend(compare_samples(fmt, self.policy.action_space, self.observations, self.reference, got))
+        report.records.extend(compare(f"{fmt} (explore)", self.reference, got, tolerances, [ACTION_DIST_INPUTS]))
+        if self.policy.raw_actions is not None and ACTION_LOGP in got:
+            logp, keep = logp_of_given_actions(self.policy, self.feeds, got, self.batch_size)
+            report.records.append(compare_arrays(f"{fmt} (explore)", "action_logp of its samples", logp[keep],
+                                                 got[ACTION_LOGP][keep], tolerances.for_output(ACTION_LOGP)))
+
+
 def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
                    golden_in: Mapping[str, np.ndarray], golden_out: Mapping[str, np.ndarray],
                    contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport,
-                   collect_errors: bool = False) -> None:
-    """Compare each format with the golden outputs; with ``collect_errors`` a format that cannot
-    be loaded is recorded in ``report.errors`` instead of raising."""
+                   collect_errors: bool = False, explore: _ExploreSetup | None = None) -> None:
+    """Compare each format with the golden outputs (and, given ``explore``, its sampled actions
+    with the session's); with ``collect_errors`` a format that cannot be loaded is recorded in
+    ``report.errors`` instead of raising."""
     keys = contract.output_keys
     for fmt in formats:
         try:
@@ -251,6 +294,8 @@ def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str
             report.devices["onnxruntime_providers_used"] = list(runner.providers)
         got = run_batched(runner, golden_in, batch_size)
         report.records.extend(compare(fmt, golden_out, got, tolerances, keys))
+        if explore is not None:
+            explore.check(fmt, runner, tolerances, report)
         getattr(runner, "close", lambda: None)()
 
 
@@ -334,6 +379,7 @@ def _manifest(policy, signature, records: Mapping[str, FormatRecord], opset: int
         "tolerances": tolerances.to_json(),
         "parity": {"passed": report.passed, "reference": report.reference, "samples": report.samples,
                    "seed": report.seed, "devices": report.devices,
-                   "max_abs_err": {f"{r.format}/{r.key}": r.max_abs_err for r in report.records}},
+                   "max_abs_err": {f"{r.format}/{r.key}": r.max_abs_err for r in report.records},
+                   "exploration": summarize_exploration(report.exploration)},
         "files": manifest.file_records(root),
     }

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--opset", type=int, default=17, metavar="N", help="ONNX opset (default 17)")
     ex.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the parity samples (default 0)")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
+    ex.add_argument("--inputs-as-nchw", action="store_true",
+                    help="ONNX model takes rank-4 image inputs as NCHW (other inputs keep their layout)")
+    ex.add_argument("--explore-samples", type=int, default=10_000, metavar="N",
+                    help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
     _parity_options(ex, 1000)
 
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
@@ -137,6 +141,8 @@ def _cmd_export(args, console) -> int:
     check_opset(args.opset)
     if args.samples < 1:
         raise InputError(f"--samples must be at least 1, got {args.samples}")
+    if args.explore_samples < 0:
+        raise InputError(f"--explore-samples must be 0 or more, got {args.explore_samples}")
     tolerances = _tolerances(args)
     load_spec(args.spec)
     check_target(Path(args.out).absolute(), args.overwrite)
@@ -148,7 +154,8 @@ def _cmd_export(args, console) -> int:
     try:
         result = export_spec(args.spec, args.out, device=args.device, formats=formats, opset=args.opset,
                              samples=args.samples, seed=args.seed, tolerances=tolerances,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, explore_samples=args.explore_samples,
+                             inputs_as_nchw=args.inputs_as_nchw)
     except ParityFailedError as e:
         if e.report is not None:
             _emit_reports(args, e.report, "export")

@@ -51,6 +51,7 @@ class ExportContext:
     signature: Any  # signatures.Signature
     device: DevicePlan
     opset: int = DEFAULT_OPSET
+    inputs_as_nchw: bool = False
     _frozen: Any = None
 
     def frozen_graph_def(self):

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 FILENAME = "model.onnx"
 BATCH_DIM = "batch"
 CONTRACT_METADATA = "policy_export.contract"
+LAYOUT_METADATA = "policy_export.nchw_inputs"
 
 
 def convert(ctx: ExportContext) -> onnx.ModelProto:
@@ -46,25 +47,32 @@ def convert(ctx: ExportContext) -> onnx.ModelProto:
     if len(set(outputs.values())) != len(outputs):
         raise ExportError("two signature outputs are the same tensor; give each its own tensor (tf.identity)")
     rename = {name: key for key, name in {**inputs, **outputs}.items()}
+    # only the policy's image inputs (rank-4, HxWxC) change layout
+    nchw = [k for k in ctx.policy.image_inputs if k in inputs] if ctx.inputs_as_nchw else []
     try:
         model, _ = tf2onnx.convert.from_graph_def(
             graph_def, name=ctx.policy.name, input_names=list(inputs.values()),
             output_names=list(outputs.values()), opset=ctx.opset, tensors_to_rename=rename,
+            inputs_as_nchw=[inputs[k] for k in nchw] or None,
         )
     except Exception as e:  # tf2onnx raises many kinds; say which stage failed
         raise ExportError(f"ONNX conversion (tf2onnx, opset {ctx.opset}) failed: {type(e).__name__}: {e}") from e
-    finish_model(model, sig.contract, ctx.opset)
+    finish_model(model, sig.contract, ctx.opset, nchw)
     return model
 
 
-def finish_model(model: onnx.ModelProto, contract: Contract, opset: int) -> None:
-    """Make ``model`` carry the contract exactly, then run the full ONNX checker."""
+def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: list[str] | None = None) -> None:
+    """Make ``model`` carry the contract exactly, then run the full ONNX checker.
+
+    ``nchw`` names the inputs whose layout was transposed to NCHW (recorded in the metadata).
+    """
     _check_opset(model, opset)
     graph = model.graph
     _add_missing_inputs(graph, contract)
     _name_batch_dims(graph, contract)
     del model.metadata_props[:]
-    helper.set_model_props(model, {CONTRACT_METADATA: json.dumps(contract.to_json(), sort_keys=True)})
+    helper.set_model_props(model, {CONTRACT_METADATA: json.dumps(contract.to_json(), sort_keys=True),
+                                   LAYOUT_METADATA: json.dumps(sorted(nchw or []))})
     model.producer_name = "policy-export"
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -113,7 +121,16 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     return FormatRecord("onnx", (target.name,), {
         "opset": ctx.opset, "nodes": len(model.graph.node),
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
+        "nchw_inputs": nchw_inputs(model),
     })
+
+
+def nchw_inputs(model: onnx.ModelProto) -> list[str]:
+    """Inputs this model takes in NCHW layout (from its metadata)."""
+    for prop in model.metadata_props:
+        if prop.key == LAYOUT_METADATA:
+            return list(json.loads(prop.value))
+    return []
 
 
 def contract_from_model(model: onnx.ModelProto) -> Contract | None:
@@ -125,7 +142,11 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
 
 
 class OnnxRunner:
-    """ONNX Runtime session over a model file; runs by key, feeding only what is given."""
+    """ONNX Runtime session over a model file; runs by key, feeding only what is given.
+
+    Feeds are taken in the signature's layout (NHWC); inputs the model takes as NCHW are
+    transposed on the way in.
+    """
 
     def __init__(self, path: Path, device: DevicePlan, threads: int | None = None):
         import onnxruntime as ort
@@ -142,12 +163,17 @@ class OnnxRunner:
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.input_types.update({i.name: i.type for i in self.session.get_overridable_initializers()})
         self.output_names = [o.name for o in self.session.get_outputs()]
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.nchw = set(json.loads(meta.get(LAYOUT_METADATA, "[]")))
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         unknown = sorted(set(feeds) - set(self.input_types))
         if unknown:
             raise InputError(f"ONNX model has no input(s) {unknown}")
-        values = self.session.run(self.output_names, {k: np.asarray(v) for k, v in feeds.items()})
+        arrays = {k: np.asarray(v) for k, v in feeds.items()}
+        for key in self.nchw & arrays.keys():
+            arrays[key] = np.ascontiguousarray(arrays[key].transpose(0, 3, 1, 2))
+        values = self.session.run(self.output_names, arrays)
         return dict(zip(self.output_names, values))
 
 

@@ -97,13 +97,15 @@ class ParityReport:
     devices: dict[str, Any]
     records: list[OutputParity] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # format -> why it could not be run
+    exploration: list[Any] = field(default_factory=list)  # exploration.ExplorationCheck
 
     @property
     def passed(self) -> bool:
-        return not self.errors and all(r.passed for r in self.records)
+        return not self.errors and all(r.passed for r in self.records) and all(c.passed for c in self.exploration)
 
-    def failures(self) -> list[OutputParity]:
-        return [r for r in self.records if not r.passed]
+    def failures(self) -> list[Any]:
+        """Every failed record: :class:`OutputParity` and exploration checks alike (``describe()``)."""
+        return [r for r in self.records if not r.passed] + [c for c in self.exploration if not c.passed]
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailedError` naming every failed output."""
@@ -115,12 +117,17 @@ class ParityReport:
     def to_json(self) -> dict[str, Any]:
         return {"reference": self.reference, "samples": self.samples, "seed": self.seed,
                 "devices": self.devices, "passed": self.passed, "errors": dict(self.errors),
-                "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records]}
+                "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records],
+                "exploration": [c.to_json() for c in self.exploration]}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "ParityReport":
+        from exporter.exploration import ExplorationCheck
+
         records = [OutputParity(**{**r, "shape": tuple(r["shape"])}) for r in obj["records"]]
-        return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records, dict(obj.get("errors", {})))
+        exploration = [ExplorationCheck(**c) for c in obj.get("exploration", [])]
+        return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records,
+                   dict(obj.get("errors", {})), exploration)
 
 
 def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "observations") -> dict[str, np.ndarray]:

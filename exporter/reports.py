@@ -34,7 +34,21 @@ def parity_table(report: ParityReport, title: str):
         shape = "x".join(str(d) for d in r.shape)
         table.add_row(r.format, r.key, r.dtype, shape, _fmt(r.max_abs_err), _fmt(r.max_rel_err),
                       _tolerance(r), "-" if r.exact else _fmt(r.min_atol_to_pass), result)
+    for (fmt, key), checks in _group_exploration(report).items():
+        worst = min(checks, key=lambda c: c.p_value)
+        ok = all(c.passed for c in checks)
+        table.add_row(f"{fmt} (explore)", key, "samples", f"{len(checks)} tests x {worst.samples}",
+                      f"p {worst.p_value:.2g}", "", f"p >= {worst.threshold:.1e}", "",
+                      "[green]pass[/green]" if ok else "[bold red]FAIL[/bold red]")
     return table
+
+
+def _group_exploration(report: ParityReport) -> dict[tuple[str, str], list]:
+    """Exploration checks grouped by format and action output (the table shows the worst p-value)."""
+    groups: dict[tuple[str, str], list] = {}
+    for c in report.exploration:
+        groups.setdefault((c.format, c.key.split("[")[0]), []).append(c)
+    return groups
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -49,6 +63,11 @@ def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = (
         if not r.passed:
             failure = ET.SubElement(case, "failure", message=r.describe(), type="ParityMismatch")
             failure.text = r.describe()
+        cases.append(case)
+    for c in report.exploration:
+        case = ET.Element("testcase", classname=f"{suite}.{c.format}.explore", name=c.key, time="0")
+        if not c.passed:
+            ET.SubElement(case, "failure", message=c.describe(), type="DistributionMismatch").text = c.describe()
         cases.append(case)
     for fmt, message in report.errors.items():
         case = ET.Element("testcase", classname=f"{suite}.{fmt}", name="load", time="0")
@@ -82,4 +101,8 @@ def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[s
     for r in report.records:
         lines.append(f"| {r.format} | {r.key} | {_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | "
                      f"{_tolerance(r)} | {'pass' if r.passed else 'FAIL'} |")
+    for (fmt, key), checks in _group_exploration(report).items():
+        worst = min(checks, key=lambda c: c.p_value)
+        lines.append(f"| {fmt} (explore) | {key} | min p {worst.p_value:.2g} over {len(checks)} tests | | "
+                     f"p >= {worst.threshold:.1e} | {'pass' if all(c.passed for c in checks) else 'FAIL'} |")
     return "\n".join(lines) + "\n"

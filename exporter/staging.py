@@ -34,10 +34,12 @@ def check_target(out: Path, overwrite: bool) -> None:
         if any(out.iterdir()) and not (out / MANIFEST).is_file():
             raise ExportError(f"{out} is a non-empty directory that holds no export; refusing to replace it")
     parent = out.parent
+    while not parent.exists():  # missing parents are created; the nearest existing one must be writable
+        parent = parent.parent
     if not parent.is_dir():
-        raise ExportError(f"parent directory {parent} does not exist")
+        raise ExportError(f"{parent} is not a directory, so {out} cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"parent directory {parent} is not writable")
+        raise ExportError(f"directory {parent} is not writable")
 
 
 @contextlib.contextmanager
@@ -52,6 +54,10 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
     """
     out = Path(out).absolute()
     check_target(out, overwrite)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create directory {out.parent}: {e.strerror}") from e
     with _lock(out):
         try:
             stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

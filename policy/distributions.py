@@ -169,20 +169,23 @@ def distribution_class(space: gym.Space, where: str = "action_space"):
                                 ["Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple"])
 
 
+def _where(leaf) -> str:
+    return "action_space" + "".join(f"/{p}" for p in leaf.path)
+
+
 class ActionDistribution:
     """The joint distribution over every leaf of an action space (lists are in leaf order)."""
 
     def __init__(self, inputs: tf.Tensor, space: gym.Space):
         self.leaves = list(leaves(space))
-        classes = [distribution_class(leaf.space, "action_space" + "".join(f"/{p}" for p in leaf.path))
-                   for leaf in self.leaves]
+        classes = [distribution_class(leaf.space, _where(leaf)) for leaf in self.leaves]
         sizes = [cls.required_inputs(leaf.space) for cls, leaf in zip(classes, self.leaves)]
         chunks = tf.split(inputs, sizes, axis=-1) if len(sizes) > 1 else [inputs]
         self.parts = [cls(x, leaf.space) for cls, x, leaf in zip(classes, chunks, self.leaves)]
 
     @staticmethod
     def required_inputs(space: gym.Space) -> int:
-        return sum(distribution_class(leaf.space).required_inputs(leaf.space) for leaf in leaves(space))
+        return sum(distribution_class(leaf.space, _where(leaf)).required_inputs(leaf.space) for leaf in leaves(space))
 
     def deterministic_sample(self) -> list[tf.Tensor]:
         return [p.deterministic_sample() for p in self.parts]

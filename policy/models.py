@@ -79,6 +79,13 @@ def preprocess(leaf: Leaf, tensor: tf.Tensor, spec: ModelInput) -> tf.Tensor:
 
 def build_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int) -> keras.Model:
     """Functional model: conv stacks for image inputs, concat, ``fc_1..fc_N``, linear ``fc_out``."""
+    encoder = build_encoder(inputs, config, name=BASE_MODEL_NAME)
+    out = keras.layers.Dense(num_outputs, activation=None, name="fc_out")(encoder.outputs[0])
+    return keras.Model(encoder.inputs, out, name=BASE_MODEL_NAME)
+
+
+def build_encoder(inputs: Sequence[ModelInput], config: ModelConfig, name: str = "encoder") -> keras.Model:
+    """Conv stacks for image inputs, concat, ``fc_1..fc_N``: per-step features."""
     k_inputs, features = [], []
     for spec in inputs:
         x = keras.Input(shape=spec.shape, name=spec.name, dtype="float32")
@@ -92,8 +99,56 @@ def build_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: 
     x = features[0] if len(features) == 1 else keras.layers.Concatenate(name="concat_inputs")(features)
     for i, size in enumerate(config.hiddens, start=1):
         x = keras.layers.Dense(size, activation=config.activation, name=f"fc_{i}")(x)
-    out = keras.layers.Dense(num_outputs, activation=None, name="fc_out")(x)
-    return keras.Model(k_inputs, out, name=BASE_MODEL_NAME)
+    return keras.Model(k_inputs, x, name=name)
+
+
+@dataclass
+class RecurrentModel:
+    """An LSTM policy model: a per-step ``encoder``, the ``lstm`` layer and the ``fc_out`` head.
+
+    ``sequence_model`` is the Keras model over padded sequences (the training-time graph and
+    the Keras export): inputs are the obs leaves as ``[T, *shape]``, ``prev_features`` ``[T, P]``
+    (when prev action/reward are used), ``mask`` ``[T]`` and the two initial states; outputs are
+    the distribution inputs ``[T, num_outputs]`` and the final ``h`` and ``c``.
+    """
+
+    encoder: keras.Model
+    lstm: keras.layers.LSTM
+    head: keras.layers.Dense
+    sequence_model: keras.Model
+    prev_size: int
+
+    def step(self, step_inputs: list[tf.Tensor], prev_features: tf.Tensor | None,
+             state: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, tuple[tf.Tensor, tf.Tensor]]:
+        """One step with the LSTM's own cell (no loop): the serving graph. Same weights."""
+        x = self.encoder(step_inputs if len(step_inputs) > 1 else step_inputs[0])
+        if prev_features is not None:
+            x = tf.concat([x, prev_features], axis=-1)
+        out, (h, c) = self.lstm.cell(x, list(state))
+        return self.head(out), (h, c)
+
+
+def build_recurrent_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int,
+                          prev_size: int) -> RecurrentModel:
+    """Encoder, LSTM(``config.lstm.cell_size``) and ``fc_out``, wired as a sequence model."""
+    cell = config.lstm.cell_size
+    encoder = build_encoder(inputs, config)
+    lstm = keras.layers.LSTM(cell, return_sequences=True, return_state=True, name="lstm")
+    head = keras.layers.Dense(num_outputs, activation=None, name="fc_out")
+    seq_inputs = [keras.Input(shape=(None, *spec.shape), name=f"{spec.name}_seq", dtype="float32") for spec in inputs]
+    x = keras.layers.TimeDistributed(encoder, name="encoder_steps")(seq_inputs[0] if len(seq_inputs) == 1 else seq_inputs)
+    extra = []
+    if prev_size:
+        prev = keras.Input(shape=(None, prev_size), name="prev_features", dtype="float32")
+        extra.append(prev)
+        x = keras.layers.Concatenate(name="concat_prev")([x, prev])
+    mask = keras.Input(shape=(None,), name="mask", dtype="bool")
+    h0 = keras.Input(shape=(cell,), name="state_in_h", dtype="float32")
+    c0 = keras.Input(shape=(cell,), name="state_in_c", dtype="float32")
+    seq, h, c = lstm(x, mask=mask, initial_state=[h0, c0])
+    out = head(seq)
+    model = keras.Model([*seq_inputs, *extra, mask, h0, c0], [out, h, c], name=BASE_MODEL_NAME)
+    return RecurrentModel(encoder, lstm, head, model, prev_size)
 
 
 def weight_key(layer_name: str, weight_name: str) -> str:
@@ -112,10 +167,19 @@ def named_weights(model: keras.Model) -> list[tuple[str, object]]:
 
 
 def _all_layers(layers: Sequence) -> list:
-    out = []
-    for layer in layers:
-        if isinstance(layer, keras.Model):
-            out.extend(_all_layers(layer.layers))
-        else:
+    """Leaf layers, unwrapping nested models and wrappers (TimeDistributed), each once."""
+    out, seen = [], set()
+
+    def visit(layer):
+        if isinstance(layer, keras.layers.Wrapper):
+            visit(layer.layer)
+        elif isinstance(layer, keras.Model):
+            for sub in layer.layers:
+                visit(sub)
+        elif id(layer) not in seen:
+            seen.add(id(layer))
             out.append(layer)
+
+    for layer in layers:
+        visit(layer)
     return out

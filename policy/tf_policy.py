@@ -45,8 +45,9 @@ SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.
 class ActionResult:
     """What :meth:`TFPolicy.compute_actions` returns.
 
-    ``actions``: one array for a flat action space, else the list ``actions_0..`` in flatten order.
-    ``fetches``: every output of the policy, keyed by signature key.
+    ``actions``: a batch array for a flat action space; for Dict/Tuple spaces the same nest
+    (dict/tuple) of batch arrays. ``fetches``: every output of the policy, keyed by signature key
+    (``actions_0..`` in gymnasium's flatten order).
     """
 
     actions: Any
@@ -73,6 +74,8 @@ class TFPolicy:
             check the standalone Keras files against the session.
         raw_actions: the sampled actions before post-processing (clipping), one per action leaf;
             feeding them lets parity ask the session for the log-probability of given actions.
+        image_inputs: keys of the inputs that are HxWxC images (what ``inputs_as_nchw``
+            transposes); default: the rank-4 uint8 inputs.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class TFPolicy:
         model: Any = None,
         model_io: tuple[Sequence[tf.Tensor], Sequence[tf.Tensor]] | None = None,
         raw_actions: Sequence[tf.Tensor] | None = None,
+        image_inputs: Sequence[str] | None = None,
         name: str = "policy",
     ):
         self.observation_space = observation_space
@@ -130,6 +134,12 @@ class TFPolicy:
                 raise PolicyExportError(f"extra fetch {key!r} clashes with a built-in output key")
             self.outputs[key] = tensor
         self.defaults: dict[str, np.ndarray] = self._read_defaults()
+        if image_inputs is None:
+            image_inputs = [k for k, t in self.inputs.items() if t.shape.rank == 4 and t.dtype == tf.uint8]
+        unknown = [k for k in image_inputs if k not in self.inputs or self.inputs[k].shape.rank != 4]
+        if unknown:
+            raise PolicyExportError(f"image_inputs {unknown} are not rank-4 (batch, H, W, C) inputs of the policy")
+        self.image_inputs = list(image_inputs)
         self._variables = self._weight_variables()
 
     # ------------------------------------------------------------------ construction
@@ -181,6 +191,7 @@ class TFPolicy:
             observations=obs_ph, sampled_action=actions, action_logp=logp,
             action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
             model=model, model_io=(model_in, [dist_inputs]), raw_actions=raw, name=spec.name,
+            image_inputs=[k for k, s in zip(obs_ph, specs) if s.image],
         )
         if spec.weights is not None:
             policy.import_model_from_h5(spec.weights)
@@ -247,7 +258,7 @@ class TFPolicy:
             feeds[TIMESTEP] = np.int64(timestep)
         fetches = self.run(feeds)
         actions = [fetches[k] for k in self.outputs if k.startswith("actions_")]
-        return ActionResult(actions=actions[0] if len(actions) == 1 else actions, fetches=fetches)
+        return ActionResult(actions=unflatten(self.action_space, actions), fetches=fetches)
 
     def observation_feeds(self, obs: Any) -> dict[str, np.ndarray]:
         """Split an observation batch (array or dict/tuple nest) into leaf feeds keyed by signature key."""
@@ -346,6 +357,22 @@ class TFPolicy:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
+
+
+def unflatten(space: gym.Space, arrays: Sequence[np.ndarray]) -> Any:
+    """Leaf arrays in flatten order -> the space's nest (dict/tuple) of arrays; one leaf stays bare."""
+    items = iter(arrays)
+
+    def build(sub: gym.Space) -> Any:
+        if isinstance(sub, gym.spaces.Dict):
+            return {k: build(v) for k, v in sub.spaces.items()}
+        if isinstance(sub, gym.spaces.Tuple):
+            return tuple(build(v) for v in sub.spaces)
+        return next(items)
+
+    if not isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        return arrays[0] if len(arrays) == 1 else list(arrays)
+    return build(space)
 
 
 def session_config(device: str | None) -> tf1.ConfigProto:

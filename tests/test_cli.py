@@ -55,7 +55,10 @@ def test_export_reports(exported):
     assert ("onnx", "actions_0") in keys and ("keras_h5", "base_model_out") in keys
     suite = ET.parse(exported.parent / "export.xml").getroot()
     cases = suite.findall(".//testcase")
-    assert len(cases) == len(report["records"]) and suite.find(".//failure") is None
+    assert len(cases) == len(report["records"]) + len(report["exploration"])
+    assert len(report["exploration"]) >= 3 * 4  # 3 formats x 4 observations, chi-square each
+    assert all(c["test"] == "chi-square homogeneity" and c["passed"] for c in report["exploration"])
+    assert suite.find(".//failure") is None
 
 
 def test_tampered_export_fails_verify_naming_the_file(exported, tmp_path):

@@ -13,14 +13,29 @@ import tensorflow as tf
 from conftest import FIXTURES, FIXTURES_DIR
 from policy import InputError, TFPolicy, WeightsError, load_spec
 from policy.h5io import read_h5_weights, write_h5_weights
+from policy.spaces import leaves
 
 tf1 = tf.compat.v1
 
 
-def observations(policy: TFPolicy, n: int = 64, seed: int = 0) -> np.ndarray:
+def observations(policy: TFPolicy, n: int = 64, seed: int = 0):
+    """A batch of ``n`` sampled observations in the space's own nest (dict/tuple of arrays)."""
     space = policy.observation_space
     space.seed(seed)
-    return np.stack([space.sample() for _ in range(n)])
+    samples = [space.sample() for _ in range(n)]
+
+    def stack(sub, items):
+        if isinstance(sub, gym.spaces.Dict):
+            return {k: stack(v, [x[k] for x in items]) for k, v in sub.spaces.items()}
+        if isinstance(sub, gym.spaces.Tuple):
+            return tuple(stack(v, [x[i] for x in items]) for i, v in enumerate(sub.spaces))
+        return np.stack(items)
+
+    return stack(space, samples)
+
+
+def action_leaves(policy: TFPolicy, fetches) -> list[tuple[gym.Space, np.ndarray]]:
+    return [(leaf.space, fetches[f"actions_{i}"]) for i, leaf in enumerate(leaves(policy.action_space))]
 
 
 def fresh_policy(name: str, seed: int) -> TFPolicy:
@@ -33,12 +48,15 @@ def fresh_policy(name: str, seed: int) -> TFPolicy:
 def test_deterministic_actions_are_repeatable_and_explore_samples(name, policies):
     policy = policies(name)
     obs = observations(policy, 256)
-    first = policy.compute_actions(obs).actions
-    assert np.array_equal(first, policy.compute_actions(obs).actions)
-    assert first.shape[0] == 256 and policy.action_space.contains(first[0])
-    sampled = policy.compute_actions(obs, explore=True).actions
-    assert not np.array_equal(sampled, first)
-    assert all(policy.action_space.contains(a) for a in sampled)
+    first = policy.compute_actions(obs).fetches
+    again = policy.compute_actions(obs).fetches
+    sampled = policy.compute_actions(obs, explore=True).fetches
+    differs = False
+    for (space, det), (_, rep), (_, smp) in zip(*(action_leaves(policy, f) for f in (first, again, sampled))):
+        assert np.array_equal(det, rep) and det.shape[0] == 256
+        assert all(space.contains(a) for a in det) and all(space.contains(a) for a in smp)
+        differs |= not np.array_equal(det, smp)
+    assert differs
 
 
 def test_discrete_action_is_argmax_and_prob_matches_softmax(policies):
@@ -70,6 +88,7 @@ def test_h5_round_trip_gives_identical_outputs(name, policies, tmp_path):
     obs = observations(source)
     before = target.compute_actions(obs).fetches["action_dist_inputs"]
     want = source.compute_actions(obs).fetches["action_dist_inputs"]
+    assert before.shape == want.shape
     assert not np.allclose(before, want)  # a different seed really gives different weights
     target.import_model_from_h5(path)
     got = target.compute_actions(obs).fetches

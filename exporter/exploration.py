@@ -1,0 +1,158 @@
+"""Exploration parity: sampled actions compared as distributions, not sample by sample.
+
+Runtimes seed their random ops differently, so with ``explore`` on no two runtimes return the
+same samples. Instead a few observations are each repeated many times, every runtime samples
+actions for them, and per observation and action component a two-sample test asks whether the
+two sets of samples come from one distribution:
+
+- discrete components (Discrete, MultiDiscrete, MultiBinary): chi-square test of homogeneity on
+  the category counts (``scipy.stats.chi2_contingency``);
+- continuous components (Box): two-sample Kolmogorov-Smirnov test (``scipy.stats.ks_2samp``),
+  with the difference of means and of standard deviations reported beside it.
+
+A test passes when its p-value is at least ``alpha / number_of_tests`` (Bonferroni), so the whole
+family has a false-failure rate of at most ``alpha``. Random ops are seeded in both runtimes, so a
+given export gives the same verdict on every run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from exporter.parity import Runner, run_batched
+from policy.spaces import leaves
+
+DEFAULT_EXPLORE_SAMPLES = 10_000
+DEFAULT_OBSERVATIONS = 4
+DEFAULT_ALPHA = 1e-3
+
+
+@dataclass(frozen=True)
+class ExplorationCheck:
+    """One two-sample test between the reference's and a format's sampled actions."""
+
+    format: str
+    key: str  # e.g. "actions_0[obs 2, component 1]"
+    test: str
+    statistic: float
+    p_value: float
+    threshold: float
+    samples: int
+    mean_diff: float
+    std_diff: float
+    passed: bool
+
+    def describe(self) -> str:
+        return (f"{self.format}/{self.key}: {self.test} p={self.p_value:.3g} < threshold {self.threshold:.3g} "
+                f"over {self.samples} samples per runtime (mean diff {self.mean_diff:.3g}, std diff {self.std_diff:.3g})")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def repeated_observations(feeds: Mapping[str, np.ndarray], observations: int, samples: int) -> dict[str, np.ndarray]:
+    """The first ``observations`` rows of ``feeds``, each repeated so the total is ``samples``."""
+    per = math.ceil(samples / observations)
+    return {k: np.repeat(v[:observations], per, axis=0) for k, v in feeds.items()}
+
+
+def sample_actions(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    """Run ``runner`` with ``explore`` on."""
+    return run_batched(runner, feeds, batch_size, scalars={"explore": np.array(True)})
+
+
+def compare_samples(format_name: str, action_space: gym.Space, observations: int,
+                    reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
+                    alpha: float = DEFAULT_ALPHA) -> list[ExplorationCheck]:
+    """Two-sample tests per observation and action component (see the module docstring)."""
+    from scipy import stats
+
+    pending = []
+    for i, leaf in enumerate(leaves(action_space)):
+        key = f"actions_{i}"
+        ref = np.asarray(reference[key]).reshape(observations, -1, *np.shape(reference[key])[1:])
+        got = np.asarray(actual[key]).reshape(observations, -1, *np.shape(actual[key])[1:])
+        discrete = not isinstance(leaf.space, gym.spaces.Box)
+        for obs in range(observations):
+            a = ref[obs].reshape(ref.shape[1], -1)
+            b = got[obs].reshape(got.shape[1], -1)
+            for c in range(a.shape[1]):
+                name = f"{key}[obs {obs}" + (f", component {c}]" if a.shape[1] > 1 else "]")
+                pending.append((name, discrete, a[:, c], b[:, c]))
+
+    threshold = alpha / max(len(pending), 1)
+    checks = []
+    for name, discrete, a, b in pending:
+        if discrete:
+            test = "chi-square homogeneity"
+            statistic, p_value = _chi_square(a, b, stats)
+        else:
+            test = "two-sample Kolmogorov-Smirnov"
+            result = stats.ks_2samp(a, b, method="asymp")
+            statistic, p_value = float(result.statistic), float(result.pvalue)
+        checks.append(ExplorationCheck(
+            format_name, name, test, statistic, p_value, threshold, len(a),
+            float(abs(np.mean(a) - np.mean(b))), float(abs(np.std(a) - np.std(b))), p_value >= threshold,
+        ))
+    return checks
+
+
+def _chi_square(a: np.ndarray, b: np.ndarray, stats) -> tuple[float, float]:
+    categories = np.union1d(a, b)
+    if len(categories) < 2:
+        return 0.0, 1.0  # both runtimes always chose the same single category
+    table = np.array([[np.count_nonzero(a == c) for c in categories],
+                      [np.count_nonzero(b == c) for c in categories]])
+    result = stats.chi2_contingency(table)
+    return float(result.statistic), float(result.pvalue)
+
+
+def given_action_feeds(policy, actions: Mapping[str, np.ndarray]) -> tuple[dict, np.ndarray]:
+    """Feeds that make the session score ``actions`` (a format's samples) and the rows usable.
+
+    The session is fed each action at the sampled-action tensor before post-processing. Rows where
+    a Box action sits on a bound are left out: clipping lost the unclipped value there.
+    """
+    feeds = {}
+    keep = None
+    for i, (tensor, leaf) in enumerate(zip(policy.raw_actions, leaves(policy.action_space))):
+        value = np.asarray(actions[f"actions_{i}"])
+        rows = np.ones(len(value), bool)
+        if isinstance(leaf.space, gym.spaces.Box):
+            flat = value.reshape(len(value), -1)
+            low = np.broadcast_to(leaf.space.low, leaf.space.shape).reshape(-1)
+            high = np.broadcast_to(leaf.space.high, leaf.space.shape).reshape(-1)
+            rows = ~np.any((flat <= low) | (flat >= high), axis=1)
+        keep = rows if keep is None else keep & rows
+        shape = [len(value)] + [d for d in tensor.shape.as_list()[1:]]
+        feeds[tensor] = value.reshape([-1 if d is None else d for d in shape]).astype(tensor.dtype.as_numpy_dtype)
+    return feeds, keep
+
+
+def logp_of_given_actions(policy, obs_feeds: Mapping[str, np.ndarray], actions: Mapping[str, np.ndarray],
+                          batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The session's ``action_logp`` for a format's sampled ``actions``, and the row mask used."""
+    feeds_all, keep = given_action_feeds(policy, actions)
+    out = []
+    n = len(keep)
+    for start in range(0, n, batch_size):
+        sl = slice(start, start + batch_size)
+        feed_dict = {policy.inputs[k]: v[sl] for k, v in obs_feeds.items()}
+        feed_dict.update({t: v[sl] for t, v in feeds_all.items()})
+        out.append(policy.session.run(policy.outputs["action_logp"], feed_dict))
+    return np.concatenate(out), keep
+
+
+def summarize(checks: Sequence[ExplorationCheck]) -> dict[str, Any]:
+    """Counts and the smallest p-value, for the manifest."""
+    if not checks:
+        return {"tests": 0}
+    worst = min(checks, key=lambda c: c.p_value)
+    return {"tests": len(checks), "failed": sum(not c.passed for c in checks), "threshold": worst.threshold,
+            "min_p_value": worst.p_value, "worst": worst.key, "samples_per_runtime": worst.samples}
