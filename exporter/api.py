@@ -33,6 +33,9 @@ from exporter.parity import (
     sample_observations,
 )
 from exporter.staging import check_target, staged_directory
+from exporter.stepped import (
+    DEFAULT_SEQUENCES, DEFAULT_STEPS, compare_stepped, run_stepped, run_training_graph, stepped_inputs,
+)
 from policy.errors import CheckFailedError, ExportError, InputError
 from policy.spaces import leaves, space_to_json
 from policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
@@ -105,6 +108,8 @@ def export_policy(
     batch_size: int = DEFAULT_BATCH,
     explore_samples: int = DEFAULT_EXPLORE_SAMPLES,
     inputs_as_nchw: bool = False,
+    stepped_steps: int = DEFAULT_STEPS,
+    source: Mapping[str, Any] | None = None,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
@@ -112,7 +117,9 @@ def export_policy(
     observation space with ``seed``; with an ``explore`` input, sampled actions are compared as
     distributions over ``explore_samples`` draws (0 skips that). The export is renamed into place
     only if parity passes. ``inputs_as_nchw`` makes the ONNX model take rank-4 image inputs as
-    NCHW (and only those); parity then feeds each runtime its own layout.
+    NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
+    get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
+    ``source`` is recorded in the manifest (e.g. what a converted model came from).
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.
@@ -144,16 +151,23 @@ def export_policy(
             writer, name = _WRITERS[fmt]
             log.info("writing %s", fmt)
             records[fmt] = writer(ctx, stage / name)
-        golden_in = _golden_inputs(policy, signature.contract, samples, seed)
+        golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
         golden_out = _reference_outputs(policy, golden_in, batch_size)
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
         explore = None
         if explore_samples > 0 and "explore" in signature.inputs:
             explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size)
+        stepped = None
+        if policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0:
+            stepped = _SteppedSetup.make(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES, seed)
         _check_formats(stage, formats, signature.tensor_names(), plan, golden_in, golden_out,
-                       signature.contract, tolerances, batch_size, report, explore=explore)
+                       signature.contract, tolerances, batch_size, report, explore=explore,
+                       formats_info={k: r.details for k, r in records.items()}, stepped=stepped)
         _write_golden(stage, golden_in, golden_out, report)
         doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
+        if source:
+            doc = {**doc, "source": dict(source)}
+            doc["files"] = manifest.file_records(stage)
         manifest.write_manifest(stage, doc)
         if not report.passed:
             raise ParityFailedError(
@@ -202,7 +216,7 @@ def verify_export(
         report.samples = len(next(iter(golden_in.values())))
         formats = [f for f in doc["formats"] if (out / _WRITERS[f][1]).exists()]
         _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
-                       contract, tolerances, batch_size, report, collect_errors=True)
+                       contract, tolerances, batch_size, report, collect_errors=True, formats_info=doc["formats"])
     else:
         report.errors["parity"] = "golden files parity/inputs.npz and parity/outputs.npz are missing"
     if samples > 0 and "saved_model" in doc["formats"] and not report.errors:
@@ -213,9 +227,17 @@ def verify_export(
 # ---------------------------------------------------------------------------- internals
 
 
-def _golden_inputs(policy, contract: Contract, n: int, seed: int) -> dict[str, np.ndarray]:
-    feeds = sample_observations(policy.observation_space, n, seed)
+def sample_inputs(observation_space, action_space, contract: Contract, n: int, seed: int) -> dict[str, np.ndarray]:
+    """``n`` rows of every required input: observations from the space; ``prev_action`` from the
+    action space; ``seq_lens`` of 1 (one-step calls); states and rewards standard normal; other
+    required inputs zero (integers) or standard normal (floats)."""
+    feeds = sample_observations(observation_space, n, seed)
+    feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
     rng = np.random.default_rng(seed)
+    if "prev_action" in contract.input_keys:
+        feeds["prev_action"] = next(iter(sample_observations(action_space, n, seed + 1).values()))
+    if "seq_lens" in contract.input_keys:
+        feeds["seq_lens"] = np.ones(n, np.dtype(contract.input("seq_lens").dtype))
     for spec in contract.required_inputs:
         if spec.key in feeds:
             continue
@@ -234,11 +256,14 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
         model_in, model_out = policy.model_io
         names = [t.name.split(":")[0] for t in policy.model.inputs]
 
+        out_keys = keras_model.output_keys(len(model_out))
+
         def run_io(batch):
             values = policy.session.run(list(model_in) + list(model_out),
                                         {policy.inputs[k]: v for k, v in batch.items()})
             ins = {f"{MODEL_IO_PREFIX}{n}": v for n, v in zip(names, values[: len(model_in)])}
-            return {**ins, f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}": values[-1]}
+            outs = {f"{MODEL_IO_PREFIX}{k}": v for k, v in zip(out_keys, values[len(model_in):])}
+            return {**ins, **outs}
 
         out.update(run_batched(run_io, feeds, batch_size))
     return out
@@ -271,18 +296,47 @@ class _ExploreSetup:
                                                  got[ACTION_LOGP][keep], tolerances.for_output(ACTION_LOGP)))
 
 
+@dataclass
+class _SteppedSetup:
+    """Fixed step sequences and the session's stepped outputs (serving and training-time graphs)."""
+
+    inputs: dict[str, np.ndarray]
+    initial_state: list[np.ndarray]
+    serving: dict[str, np.ndarray]
+    training: dict[str, np.ndarray]
+    keys: list[str]
+
+    @classmethod
+    def make(cls, policy, contract: Contract, steps: int, sequences: int, seed: int) -> "_SteppedSetup":
+        inputs = stepped_inputs(policy, steps, sequences, seed)
+        initial = policy.get_initial_state()
+        serving = run_stepped(policy.run, inputs, initial)
+        chunk = policy.sequence_graph_chunk
+        training = run_training_graph(policy, inputs, chunk)
+        return cls(inputs, initial, serving, training, contract.output_keys)
+
+    def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
+        got = run_stepped(runner, self.inputs, self.initial_state)
+        steps = len(next(iter(self.inputs.values())))
+        report.records.extend(compare_stepped(f"{fmt} (stepped {steps})", self.serving, got, tolerances, self.keys))
+        report.records.extend(compare_stepped(f"{fmt} (stepped {steps} vs sequences)", self.training, got,
+                                              tolerances, self.keys))
+
+
 def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
                    golden_in: Mapping[str, np.ndarray], golden_out: Mapping[str, np.ndarray],
                    contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport,
-                   collect_errors: bool = False, explore: _ExploreSetup | None = None) -> None:
+                   collect_errors: bool = False, explore: _ExploreSetup | None = None,
+                   formats_info: Mapping[str, Any] | None = None, stepped: _SteppedSetup | None = None) -> None:
     """Compare each format with the golden outputs (and, given ``explore``, its sampled actions
     with the session's); with ``collect_errors`` a format that cannot be loaded is recorded in
     ``report.errors`` instead of raising."""
     keys = contract.output_keys
+    keras_outputs = (formats_info or {}).get("keras", {}).get("outputs")
     for fmt in formats:
         try:
             if fmt == "keras":
-                _check_keras(root, golden_out, tolerances, batch_size, report)
+                _check_keras(root, golden_out, tolerances, batch_size, report, keras_outputs)
                 continue
             runner = _load_runner(fmt, root, tensor_names, plan)
         except ExportError as e:
@@ -296,6 +350,8 @@ def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str
         report.records.extend(compare(fmt, golden_out, got, tolerances, keys))
         if explore is not None:
             explore.check(fmt, runner, tolerances, report)
+        if stepped is not None:
+            stepped.check(fmt, runner, tolerances, report)
         getattr(runner, "close", lambda: None)()
 
 
@@ -310,14 +366,14 @@ def _load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: De
 
 
 def _check_keras(root: Path, golden_out: Mapping[str, np.ndarray], tolerances: Tolerances,
-                 batch_size: int, report: ParityReport) -> None:
+                 batch_size: int, report: ParityReport, output_names: list[str] | None) -> None:
+    out_prefix = f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}"
     ins = {k[len(MODEL_IO_PREFIX):]: v for k, v in golden_out.items()
-           if k.startswith(MODEL_IO_PREFIX) and not k.endswith(keras_model.MODEL_OUTPUT)}
-    ref_key = f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}"
-    if ref_key not in golden_out:
+           if k.startswith(MODEL_IO_PREFIX) and not k.startswith(out_prefix)}
+    reference = {k[len(MODEL_IO_PREFIX):]: v for k, v in golden_out.items() if k.startswith(out_prefix)}
+    if not reference:
         return
-    reference = {keras_model.MODEL_OUTPUT: golden_out[ref_key]}
-    for fmt, runner in keras_model.load(root).items():
+    for fmt, runner in keras_model.load(root, output_names).items():
         got = run_batched(runner, ins, batch_size)
         report.records.extend(compare(fmt, reference, got, tolerances))
 
@@ -326,9 +382,10 @@ def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, 
                          seed: int, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
     from policy.spaces import space_from_json
 
-    space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(out / manifest.MANIFEST))
-    feeds = sample_observations(space, samples, seed)
-    feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
+    where = str(out / manifest.MANIFEST)
+    obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)
+    act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", where)
+    feeds = sample_inputs(obs_space, act_space, contract, samples, seed)
     reference_runner = saved_model.load(out, plan)
     reference = run_batched(reference_runner, feeds, batch_size)
     reference_runner.close()

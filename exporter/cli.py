@@ -57,6 +57,41 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("out", metavar="OUT", help="export directory")
     ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
     _parity_options(ve, 0)
+
+    ins = sub.add_parser("inspect", parents=[common],
+                         help="list the inputs and outputs of an export, a .onnx file or a SavedModel")
+    ins.add_argument("path", metavar="PATH", help="export directory, model.onnx, or SavedModel directory")
+    ins.add_argument("--signature", default="serving_default", metavar="KEY", help="SavedModel signature")
+    ins.add_argument("--tag", default="serve", metavar="TAG", help="SavedModel tag")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    di = sub.add_parser("diff", parents=[common],
+                        help="compare the contracts of two exports: exit 1 on a breaking change")
+    di.add_argument("old", metavar="OLD", help="the export (or .onnx / SavedModel) deployed now")
+    di.add_argument("new", metavar="NEW", help="the candidate")
+    di.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+
+    co = sub.add_parser("convert", parents=[common],
+                        help="turn an existing TF1 SavedModel (e.g. RLlib's) into a full export with clean keys")
+    co.add_argument("saved_model", metavar="SAVED_MODEL_DIR")
+    co.add_argument("--out", required=True, metavar="OUT")
+    co.add_argument("--signature", default="serving_default", metavar="KEY")
+    co.add_argument("--tag", default="serve", metavar="TAG")
+    co.add_argument("--opset", type=int, default=17, metavar="N")
+    co.add_argument("--samples", type=int, default=1000, metavar="N")
+    co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    co.add_argument("--overwrite", action="store_true")
+    co.add_argument("--state", action="append", default=[], metavar="IN_KEY=OUT_KEY",
+                    help="pair a state input with its output, in order (repeat); default: natural order of names")
+
+    ro = sub.add_parser("rollout", parents=[common],
+                        help="play an environment with the export's TF and ONNX runtimes and compare their actions")
+    ro.add_argument("out", metavar="OUT", help="export directory")
+    ro.add_argument("--env", required=True, metavar="ENV_ID", help="gymnasium environment id, e.g. CartPole-v1")
+    ro.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes (default 10)")
+    ro.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the first episode (default 0)")
+    ro.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    ro.add_argument("--report-json", metavar="F", help="write the rollout report as JSON to F")
     return parser
 
 
@@ -69,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     width = None if sys.stdout.isatty() else 140  # CI logs: no wrapping of the parity table
     out, err = Console(width=width), Console(stderr=True)
     try:
-        return {"export": _cmd_export, "verify": _cmd_verify}[args.command](args, out)
+        commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
+                    "inspect": _cmd_inspect, "diff": _cmd_diff, "convert": _cmd_convert}
+        return commands[args.command](args, out)
     except KeyboardInterrupt:
         err.print(f"{PROG}: interrupted; nothing was written")
         return 130
@@ -190,6 +227,113 @@ def _cmd_verify(args, console) -> int:
         print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
         return EXIT_CHECK_FAILED
     console.print(f"verified [bold]{args.out}[/bold]: files match the manifest, every format matches")
+    return EXIT_OK
+
+
+def _contract(path: str, args=None):
+    """Read a contract; TensorFlow is imported (quietly) only for SavedModels."""
+    from exporter.inspection import contract_of
+
+    if (Path(path) / "saved_model.pb").is_file():
+        _heavy_imports(args)
+    return contract_of(path, getattr(args, "signature", "serving_default"), getattr(args, "tag", "serve"))
+
+
+def _cmd_inspect(args, console) -> int:
+    from rich.table import Table
+
+    from exporter.inspection import contract_json
+
+    kind, contract = _contract(args.path, args)
+    if args.json:
+        print(contract_json(kind, Path(args.path), contract))
+        return EXIT_OK
+    table = Table(title=f"{args.path} ({kind}, signature {contract.signature_key})", title_justify="left")
+    for column in ("", "key", "dtype", "shape", "required / default"):
+        table.add_column(column)
+    for side, specs in (("input", contract.inputs), ("output", contract.outputs)):
+        for s in specs:
+            need = "required" if s.required else f"default {s.default!r}"
+            table.add_row(side, s.key, s.dtype, s.shape_text(), need if side == "input" else "")
+    console.print(table)
+    return EXIT_OK
+
+
+def _cmd_diff(args, console) -> int:
+    import json
+
+    from signatures.diff import diff_contracts
+
+    (_, old), (_, new) = _contract(args.old, args), _contract(args.new, args)
+    result = diff_contracts(old, new)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        console.print(f"[bold]{'compatible' if result.compatible else 'BREAKING'}[/bold]: {args.old} -> {args.new}")
+        for change in result.changes:
+            style = "red" if change.kind == "breaking" else "green"
+            console.print(f"  [{style}]{change.kind}[/{style}] {change.side} {change.key}: {change.what}", soft_wrap=True)
+        if not result.changes:
+            console.print("  no change to any input or output")
+    return EXIT_OK if result.compatible else EXIT_CHECK_FAILED
+
+
+def _cmd_convert(args, console) -> int:
+    from exporter.context import check_opset
+    from exporter.staging import check_target
+    from policy.errors import ExportError, InputError
+
+    check_opset(args.opset)
+    if not (Path(args.saved_model) / "saved_model.pb").is_file():
+        raise ExportError(f"{args.saved_model} is not a SavedModel directory (no saved_model.pb)")
+    check_target(Path(args.out).absolute(), args.overwrite)
+    pairs = []
+    for item in args.state:
+        a, sep, b = item.partition("=")
+        if not sep or not a or not b:
+            raise InputError(f"--state {item!r}: expected IN_KEY=OUT_KEY")
+        pairs.append((a, b))
+    _heavy_imports(args)
+    from exporter.convert import convert_saved_model
+    from exporter.reports import parity_table
+
+    result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
+                                 device=args.device, opset=args.opset, samples=args.samples, overwrite=args.overwrite,
+                                 state_pairs=pairs or None)
+    console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
+    for new, old in result.manifest["source"]["key_mapping"].items():
+        console.print(f"  {old} -> {new}")
+    console.print(f"converted [bold]{args.saved_model}[/bold] to [bold]{result.path}[/bold]: {', '.join(result.formats)}")
+    return EXIT_OK
+
+
+def _cmd_rollout(args, console) -> int:
+    from rich.table import Table
+
+    from exporter.manifest import read_manifest
+    from policy.errors import InputError
+
+    read_manifest(Path(args.out))
+    if args.episodes < 1:
+        raise InputError(f"--episodes must be at least 1, got {args.episodes}")
+    _heavy_imports(args)
+    from exporter.reports import write_json
+    from exporter.rollout import rollout
+
+    report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=args.device)
+    table = Table(title=f"rollout {args.out} in {args.env} (deterministic actions)", title_justify="left")
+    for column in ("episode seed", "return TF", "return ONNX", "steps TF", "steps ONNX", "first divergence"):
+        table.add_column(column, justify="right")
+    for e in report.episodes:
+        table.add_row(str(e.seed), f"{e.returns['tf']:.1f}", f"{e.returns['onnx']:.1f}", str(e.steps["tf"]),
+                      str(e.steps["onnx"]), "none" if e.first_divergence is None else f"[bold red]step {e.first_divergence}[/bold red]")
+    console.print(table)
+    console.print(f"mean return: TF {report.mean_return('tf'):.1f}, ONNX {report.mean_return('onnx'):.1f}")
+    if args.report_json:
+        write_json(args.report_json, report.to_json())
+    if not report.passed:
+        print(f"{PROG}: rollout failed: the runtimes chose different actions", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     return EXIT_OK
 
 

@@ -52,16 +52,17 @@ class FrozenGraphRunner:
             tf.graph_util.import_graph_def(graph_def, name="")
         self.session = tf1.Session(graph=self.graph, config=session_config(device.tf_device))
         present = {op.name for op in self.graph.get_operations()}
+        self.signature_inputs = set(tensor_names["inputs"])
+        # inputs that no output depends on were pruned by freezing; feeding them changes nothing
         self.inputs = {k: self.graph.get_tensor_by_name(n) for k, n in tensor_names["inputs"].items()
                        if n.split(":")[0] in present}
         self.outputs = {k: self.graph.get_tensor_by_name(n) for k, n in tensor_names["outputs"].items()}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        unknown = sorted(set(feeds) - set(self.inputs))
-        # inputs pruned by freezing had no effect on any output; feeding them changes nothing
-        feed_dict = {self.inputs[k]: v for k, v in feeds.items() if k in self.inputs}
-        if unknown and not all(np.asarray(feeds[k]).ndim == 0 for k in unknown):
+        unknown = sorted(set(feeds) - self.signature_inputs)
+        if unknown:
             raise InputError(f"frozen graph has no input(s) {unknown}")
+        feed_dict = {self.inputs[k]: v for k, v in feeds.items() if k in self.inputs}
         values = self.session.run(self.outputs, feed_dict)
         return {k: np.asarray(v) for k, v in values.items()}
 

@@ -30,6 +30,11 @@ FORMATS = {"keras_saved_model": SAVED_MODEL, "keras_v3": KERAS_FILE, "keras_h5":
 MODEL_OUTPUT = "base_model_out"
 
 
+def output_keys(count: int) -> list[str]:
+    """Parity keys of the base model's outputs: ``base_model_out``, or ``base_model_out_0..``."""
+    return [MODEL_OUTPUT] if count == 1 else [f"{MODEL_OUTPUT}_{i}" for i in range(count)]
+
+
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
     """Write the three Keras files of the policy's base model under ``target`` (a directory).
 
@@ -59,7 +64,7 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
         keras.backend.clear_session()
     names = [t.name.split(":")[0] for t in policy.model.inputs]
     return FormatRecord("keras", tuple(f"{target.name}/{p}" for p in FORMATS.values()),
-                        {"files": FORMATS, "inputs": names, "output": MODEL_OUTPUT})
+                        {"files": FORMATS, "inputs": names, "outputs": list(model.output_names)})
 
 
 def check_config_safe(config: Any, source: str) -> None:
@@ -94,12 +99,16 @@ def _read_config(path: Path) -> Any:
 
 
 class KerasRunner:
-    """Runs one Keras file on base-model inputs keyed by input name; returns ``base_model_out``."""
+    """Runs one Keras file on base-model inputs keyed by input name; outputs keyed by :func:`output_keys`.
 
-    def __init__(self, path: Path):
+    ``output_names`` (the model's, recorded at export) orders a SavedModel signature's outputs.
+    """
+
+    def __init__(self, path: Path, output_names: list[str] | None = None):
         import tf_keras as keras
 
         self.path = path
+        self.output_names = output_names
         try:
             if path.is_dir():
                 loaded = tf.saved_model.load(str(path))
@@ -119,12 +128,14 @@ class KerasRunner:
         if self._model is not None:
             args = [feeds[t.name.split(":")[0]] for t in self._model.inputs]
             out = self._model(args[0] if len(args) == 1 else args, training=False)
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
         else:
             result = self._fn(**{k: tf.constant(v) for k, v in feeds.items()})
-            out = next(iter(result.values()))
-        return {MODEL_OUTPUT: np.asarray(out)}
+            names = self.output_names or sorted(result)
+            outs = [result[n] for n in names]
+        return {k: np.asarray(v) for k, v in zip(output_keys(len(outs)), outs)}
 
 
-def load(export_dir: Path) -> dict[str, KerasRunner]:
+def load(export_dir: Path, output_names: list[str] | None = None) -> dict[str, KerasRunner]:
     """One runner per Keras file of an export, keyed ``keras_saved_model``, ``keras_v3``, ``keras_h5``."""
-    return {fmt: KerasRunner(export_dir / DIRNAME / name) for fmt, name in FORMATS.items()}
+    return {fmt: KerasRunner(export_dir / DIRNAME / name, output_names) for fmt, name in FORMATS.items()}

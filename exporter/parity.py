@@ -79,11 +79,13 @@ class OutputParity:
     mismatches: int
     min_atol_to_pass: float
     passed: bool
+    worst_step: int | None = None  # stepped parity: the step with the largest error
 
     def describe(self) -> str:
         if self.exact:
             return f"{self.format}/{self.key}: {self.mismatches} of {int(np.prod(self.shape))} values differ (exact match required)"
-        return (f"{self.format}/{self.key}: max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}; "
+        step = f" (largest at step {self.worst_step})" if self.worst_step is not None else ""
+        return (f"{self.format}/{self.key}: max abs err {self.max_abs_err:.3g}{step}, max rel err {self.max_rel_err:.3g}; "
                 f"tolerance atol={self.atol:g} rtol={self.rtol:g}; would pass with atol >= {self.min_atol_to_pass:.3g}")
 
 

@@ -78,6 +78,41 @@ def leaf_dtype(space: gym.Space) -> np.dtype:
     return np.dtype(space.dtype)
 
 
+def leaf_values(space: gym.Space, value: Any, prefix: str) -> dict[str, Any]:
+    """Split a nested value (dict/tuple per the space) into its leaves, keyed ``prefix/<path>``.
+
+    Raises:
+        KeyError: naming the missing nest path.
+    """
+    out = {}
+    for leaf in leaves(space):
+        v = value
+        for part in leaf.path:
+            try:
+                v = v[part] if isinstance(v, dict) or hasattr(v, "keys") else v[int(part)]
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise KeyError("/".join(leaf.path)) from None
+        out[leaf.key(prefix)] = v
+    return out
+
+
+def nest_from_leaves(space: gym.Space, values: dict[str, Any] | list, prefix: str | None = None) -> Any:
+    """Leaf values (keyed ``prefix/<path>``, or a list in flatten order) -> the space's nest.
+
+    A space that is not a Dict or Tuple gives its single leaf value back.
+    """
+    items = iter(values if isinstance(values, list) else [values[leaf.key(prefix)] for leaf in leaves(space)])
+
+    def build(sub: gym.Space) -> Any:
+        if isinstance(sub, gym.spaces.Dict):
+            return {k: build(v) for k, v in sub.spaces.items()}
+        if isinstance(sub, gym.spaces.Tuple):
+            return tuple(build(v) for v in sub.spaces)
+        return next(items)
+
+    return build(space)
+
+
 # --------------------------------------------------------------------------- to JSON
 
 

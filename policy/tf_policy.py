@@ -29,7 +29,7 @@ from policy import h5io
 from policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
 from policy.errors import InputError, PolicyExportError, UnsupportedSpaceError, WeightsError
 from policy.models import build_model, model_inputs, named_weights, preprocess
-from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaves
+from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves, nest_from_leaves
 from policy.spec import PolicySpec
 
 tf1 = tf.compat.v1
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 OBSERVATIONS = "observations"
 EXPLORE, IS_TRAINING, TIMESTEP = "explore", "is_training", "timestep"
 ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB = "action_dist_inputs", "action_logp", "action_prob"
+SEQ_LENS, PREV_ACTION, PREV_REWARD = "seq_lens", "prev_action", "prev_reward"
 SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
 
 
@@ -76,6 +77,11 @@ class TFPolicy:
             feeding them lets parity ask the session for the log-probability of given actions.
         image_inputs: keys of the inputs that are HxWxC images (what ``inputs_as_nchw``
             transposes); default: the rank-4 uint8 inputs.
+        state_inputs, state_outputs: recurrent state tensors, keyed ``state_in_i``/``state_out_i``
+            (never by tensor name); ``seq_lens`` is then required.
+        prev_action, prev_reward: the previous step's action and reward, when the model uses them.
+        sequence_graph: the training-time graph over padded sequences (``compute_actions`` runs
+            it for recurrent policies); the signature tensors above are the one-step serving graph.
     """
 
     def __init__(
@@ -98,6 +104,12 @@ class TFPolicy:
         model_io: tuple[Sequence[tf.Tensor], Sequence[tf.Tensor]] | None = None,
         raw_actions: Sequence[tf.Tensor] | None = None,
         image_inputs: Sequence[str] | None = None,
+        state_inputs: Sequence[tf.Tensor] = (),
+        state_outputs: Sequence[tf.Tensor] = (),
+        seq_lens: tf.Tensor | None = None,
+        prev_action: tf.Tensor | None = None,
+        prev_reward: tf.Tensor | None = None,
+        sequence_graph: Any = None,
         name: str = "policy",
     ):
         self.observation_space = observation_space
@@ -114,16 +126,26 @@ class TFPolicy:
             self.inputs.update(observations)
         else:
             self.inputs[OBSERVATIONS] = observations
-        for key, tensor in ((EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
+        if len(state_inputs) != len(state_outputs):
+            raise PolicyExportError(f"{len(state_inputs)} state inputs but {len(state_outputs)} state outputs")
+        if state_inputs and seq_lens is None:
+            raise PolicyExportError("a recurrent policy needs a seq_lens input")
+        for i, tensor in enumerate(state_inputs):
+            self.inputs[f"state_in_{i}"] = tensor
+        for key, tensor in ((SEQ_LENS, seq_lens), (PREV_ACTION, prev_action), (PREV_REWARD, prev_reward),
+                            (EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
             if tensor is not None:
                 self.inputs[key] = tensor
         self.inputs.update(extra_inputs or {})
+        self.sequence_graph = sequence_graph
 
         actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
         self.outputs: dict[str, tf.Tensor] = {f"actions_{i}": a for i, a in enumerate(actions)}
         if action_prob is None and action_logp is not None:
             with self.graph.as_default():
                 action_prob = tf.exp(action_logp, name=ACTION_PROB)
+        for i, tensor in enumerate(state_outputs):
+            self.outputs[f"state_out_{i}"] = tensor
         for key, tensor in (
             (ACTION_DIST_INPUTS, action_dist_inputs), (ACTION_LOGP, action_logp), (ACTION_PROB, action_prob),
         ):
@@ -157,7 +179,9 @@ class TFPolicy:
         check_supported(spec.observation_space, "observation_space", SUPPORTED_OBSERVATION_SPACES)
         check_supported(spec.action_space, "action_space", SUPPORTED_ACTION_SPACES)
         if spec.model.lstm is not None:
-            raise UnsupportedSpaceError("lstm model", "$.model.lstm", ["hiddens", "conv_filters"])
+            from policy.recurrent import build_recurrent_policy
+
+            return build_recurrent_policy(cls, spec, device)
         num_outputs = ActionDistribution.required_inputs(spec.action_space)
         specs = model_inputs(spec.observation_space, spec.model)
 
@@ -247,8 +271,34 @@ class TFPolicy:
             out[key] = arr
         return out
 
-    def compute_actions(self, obs: Any, explore: bool = False, timestep: int | None = None) -> ActionResult:
-        """Actions for a batch of observations (an array, or a dict/tuple nest for nested spaces)."""
+    @property
+    def sequence_graph_chunk(self) -> int:
+        """The padded sequence length the training-time graph is run with (``max_seq_len``)."""
+        return getattr(self.sequence_graph, "max_seq_len", 20)
+
+    @property
+    def is_recurrent(self) -> bool:
+        return any(k.startswith("state_in_") for k in self.inputs)
+
+    def get_initial_state(self) -> list[np.ndarray]:
+        """One zero array per state input, for a single sequence (shape ``[cell]``)."""
+        return [np.zeros(t.shape.as_list()[1:], t.dtype.as_numpy_dtype)
+                for k, t in self.inputs.items() if k.startswith("state_in_")]
+
+    def compute_actions(self, obs: Any, state: Sequence[np.ndarray] | None = None, prev_action: Any = None,
+                        prev_reward: Any = None, seq_lens: Any = None, explore: bool = False,
+                        timestep: int | None = None) -> ActionResult:
+        """Actions for a batch of observations (an array, or a dict/tuple nest for nested spaces).
+
+        Recurrent policies run the training-time graph: ``obs`` (and ``prev_action``/``prev_reward``)
+        hold ``B`` padded sequences of ``T`` steps flattened to ``B*T`` rows, ``seq_lens`` gives each
+        sequence's length (default: ``B`` one-step sequences), ``state`` the ``B`` initial states
+        (default zeros). ``result.state_out`` holds the states after each sequence's last step.
+        """
+        if self.is_recurrent:
+            from policy.recurrent import compute_sequence_actions
+
+            return compute_sequence_actions(self, obs, state, prev_action, prev_reward, seq_lens, explore, timestep)
         feeds = self.observation_feeds(obs)
         if EXPLORE in self.inputs:
             feeds[EXPLORE] = np.bool_(explore)
@@ -262,16 +312,10 @@ class TFPolicy:
 
     def observation_feeds(self, obs: Any) -> dict[str, np.ndarray]:
         """Split an observation batch (array or dict/tuple nest) into leaf feeds keyed by signature key."""
-        feeds: dict[str, np.ndarray] = {}
-        for leaf in leaves(self.observation_space):
-            value = obs
-            for part in leaf.path:
-                try:
-                    value = value[part] if isinstance(value, Mapping) else value[int(part)]
-                except (KeyError, IndexError, TypeError, ValueError) as e:
-                    raise InputError(f"observation has no entry {'/'.join(leaf.path)!r}") from e
-            feeds[leaf.key(OBSERVATIONS)] = value
-        return feeds
+        try:
+            return leaf_values(self.observation_space, obs, OBSERVATIONS)
+        except KeyError as e:
+            raise InputError(f"observation has no entry {e.args[0]!r}") from None
 
     # ------------------------------------------------------------------ weights
 
@@ -361,18 +405,7 @@ class TFPolicy:
 
 def unflatten(space: gym.Space, arrays: Sequence[np.ndarray]) -> Any:
     """Leaf arrays in flatten order -> the space's nest (dict/tuple) of arrays; one leaf stays bare."""
-    items = iter(arrays)
-
-    def build(sub: gym.Space) -> Any:
-        if isinstance(sub, gym.spaces.Dict):
-            return {k: build(v) for k, v in sub.spaces.items()}
-        if isinstance(sub, gym.spaces.Tuple):
-            return tuple(build(v) for v in sub.spaces)
-        return next(items)
-
-    if not isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
-        return arrays[0] if len(arrays) == 1 else list(arrays)
-    return build(space)
+    return nest_from_leaves(space, list(arrays))
 
 
 def session_config(device: str | None) -> tf1.ConfigProto:

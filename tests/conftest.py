@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = ROOT / "fixtures"
 # every bundled fixture must be listed here (test_matrix_covers_every_fixture checks it)
 FIXTURES = ["cartpole_mlp", "pendulum_mlp", "dict_image_vector", "image_uint8", "tuple_action",
-            "multibinary_action", "discrete_obs"]
+            "multibinary_action", "discrete_obs", "cartpole_lstm"]
+RECURRENT = ["cartpole_lstm"]
 FORMATS = ["saved_model", "frozen_graph", "onnx", "keras"]
 
 

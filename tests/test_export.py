@@ -11,7 +11,8 @@ import onnx
 import pytest
 import tensorflow as tf
 
-from conftest import FIXTURES, FIXTURES_DIR, FORMATS
+from conftest import FIXTURES, FIXTURES_DIR, FORMATS, RECURRENT
+from exporter.keras_model import output_keys
 from exporter import api, export_policy, export_spec, verify_export
 from exporter.manifest import sha256
 from exporter.parity import DEFAULT_BATCH, Tolerance, Tolerances
@@ -40,8 +41,10 @@ def test_format_written_and_matches_the_session(name, fmt, exports):
     for rel in LAYOUT[fmt]:
         assert (out / rel).exists(), rel
     records = [r for r in result.parity.records if r.format in PARITY_FORMATS[fmt]]
-    expected_keys = ["base_model_out"] if fmt == "keras" else result.manifest["contract"] and [
-        o["key"] for o in result.manifest["contract"]["outputs"]]
+    if fmt == "keras":
+        expected_keys = output_keys(len(result.formats["keras"].details["outputs"]))
+    else:
+        expected_keys = [o["key"] for o in result.manifest["contract"]["outputs"]]
     assert sorted({r.key for r in records}) == sorted(expected_keys)
     for r in records:
         assert r.passed, r.describe()
@@ -80,8 +83,9 @@ def test_manifest_lists_every_file_with_its_hash(name, exports):
     assert some["sha256"] == sha256(out / "model.onnx") and some["size"] == (out / "model.onnx").stat().st_size
     assert doc["opset"] == 17 and doc["versions"]["tensorflow"].startswith("2.")
     obs_keys = list(doc["keys"]["observations"])
-    assert [i["key"] for i in doc["contract"]["inputs"]] == obs_keys + ["explore", "is_training", "timestep"]
-    explore = doc["contract"]["inputs"][len(obs_keys)]
+    recurrent = ["state_in_0", "state_in_1", "seq_lens", "prev_action", "prev_reward"] if name in RECURRENT else []
+    assert [i["key"] for i in doc["contract"]["inputs"]] == obs_keys + recurrent + ["explore", "is_training", "timestep"]
+    explore = doc["contract"]["inputs"][len(obs_keys) + len(recurrent)]
     assert explore == {"key": "explore", "dtype": "bool", "shape": [], "required": False, "default": False}
 
 

@@ -34,6 +34,18 @@ def observations(policy: TFPolicy, n: int = 64, seed: int = 0):
     return stack(space, samples)
 
 
+def act(policy: TFPolicy, obs, explore: bool = False):
+    """compute_actions, giving a recurrent policy zero previous actions and rewards."""
+    n = len(next(iter(policy.observation_feeds(obs).values())))
+    extra = {}
+    if "prev_action" in policy.inputs:
+        t = policy.inputs["prev_action"]
+        extra["prev_action"] = np.zeros((n, *t.shape.as_list()[1:]), t.dtype.as_numpy_dtype)
+    if "prev_reward" in policy.inputs:
+        extra["prev_reward"] = np.zeros(n, np.float32)
+    return policy.compute_actions(obs, explore=explore, **extra)
+
+
 def action_leaves(policy: TFPolicy, fetches) -> list[tuple[gym.Space, np.ndarray]]:
     return [(leaf.space, fetches[f"actions_{i}"]) for i, leaf in enumerate(leaves(policy.action_space))]
 
@@ -48,9 +60,9 @@ def fresh_policy(name: str, seed: int) -> TFPolicy:
 def test_deterministic_actions_are_repeatable_and_explore_samples(name, policies):
     policy = policies(name)
     obs = observations(policy, 256)
-    first = policy.compute_actions(obs).fetches
-    again = policy.compute_actions(obs).fetches
-    sampled = policy.compute_actions(obs, explore=True).fetches
+    first = act(policy, obs).fetches
+    again = act(policy, obs).fetches
+    sampled = act(policy, obs, explore=True).fetches
     differs = False
     for (space, det), (_, rep), (_, smp) in zip(*(action_leaves(policy, f) for f in (first, again, sampled))):
         assert np.array_equal(det, rep) and det.shape[0] == 256
@@ -86,13 +98,13 @@ def test_h5_round_trip_gives_identical_outputs(name, policies, tmp_path):
     path = source.export_weights_h5(tmp_path / "w.h5")
     target = fresh_policy(name, seed=123)
     obs = observations(source)
-    before = target.compute_actions(obs).fetches["action_dist_inputs"]
-    want = source.compute_actions(obs).fetches["action_dist_inputs"]
+    before = act(target, obs).fetches["action_dist_inputs"]
+    want = act(source, obs).fetches["action_dist_inputs"]
     assert before.shape == want.shape
     assert not np.allclose(before, want)  # a different seed really gives different weights
     target.import_model_from_h5(path)
-    got = target.compute_actions(obs).fetches
-    for key, value in source.compute_actions(obs).fetches.items():
+    got = act(target, obs).fetches
+    for key, value in act(source, obs).fetches.items():
         np.testing.assert_array_equal(got[key], value)
     target.close()
 

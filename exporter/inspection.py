@@ -1,0 +1,115 @@
+"""Read the I/O contract of an export directory, a bare ONNX file, or a SavedModel directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from exporter import manifest
+from policy.errors import ExportError
+from signatures.contract import Contract, TensorSpec, json_default
+
+
+def contract_of(path: str | Path, signature_key: str = "serving_default", tag: str = "serve") -> tuple[str, Contract]:
+    """``(kind, contract)`` of ``path``: kind is ``export``, ``onnx`` or ``saved_model``.
+
+    Raises:
+        ExportError: ``path`` is none of those, or fails its format's checks.
+    """
+    path = Path(path)
+    if path.is_dir() and (path / manifest.MANIFEST).is_file():
+        return "export", Contract.from_json(manifest.read_manifest(path)["contract"])
+    if path.is_file() and path.suffix == ".onnx":
+        return "onnx", onnx_contract(path)
+    if path.is_dir() and (path / "saved_model.pb").is_file():
+        return "saved_model", saved_model_contract(path, signature_key, tag)
+    raise ExportError(f"{path} is not an export directory, a .onnx file or a SavedModel directory")
+
+
+def onnx_contract(path: Path) -> Contract:
+    """The contract in an ONNX model's metadata, else one read from its graph.
+
+    The model is checked with ``onnx.checker`` first; a file that is not ONNX is an error.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    from exporter.onnx_model import contract_from_model
+
+    try:
+        onnx.checker.check_model(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError, ValidationError, OSError...
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    stored = contract_from_model(model)
+    if stored is not None:
+        return stored
+    initializers = {i.name: i for i in model.graph.initializer}
+
+    def spec(value_info, is_input: bool) -> TensorSpec:
+        t = value_info.type.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+        if is_input and value_info.name in initializers:
+            default = json_default(numpy_helper.to_array(initializers[value_info.name]))
+            return TensorSpec(value_info.name, dtype, shape, required=False, default=default)
+        return TensorSpec(value_info.name, dtype, shape)
+
+    return Contract(inputs=tuple(spec(i, True) for i in model.graph.input),
+                    outputs=tuple(spec(o, False) for o in model.graph.output))
+
+
+def _read_saved_model(path: Path):
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    try:
+        proto.ParseFromString((path / "saved_model.pb").read_bytes())
+    except Exception as e:  # protobuf DecodeError
+        raise ExportError(f"{path}/saved_model.pb is not a SavedModel: {e}") from e
+    return proto
+
+
+def saved_model_meta_graph(path: Path, tag: str):
+    proto = _read_saved_model(path)
+    for meta in proto.meta_graphs:
+        if tag in meta.meta_info_def.tags:
+            return meta
+    tags = [list(m.meta_info_def.tags) for m in proto.meta_graphs]
+    raise ExportError(f"{path} has no meta graph tagged {tag!r}; it has {tags}")
+
+
+def saved_model_contract(path: Path, signature_key: str = "serving_default", tag: str = "serve") -> Contract:
+    """A SavedModel signature's contract, read from the proto (no variables are loaded).
+
+    Inputs fed through ``PlaceholderWithDefault`` are optional, with their constant default.
+    """
+    import tensorflow as tf
+
+    meta = saved_model_meta_graph(path, tag)
+    if signature_key not in meta.signature_def:
+        raise ExportError(f"{path} has no signature {signature_key!r}; it has {sorted(meta.signature_def)}")
+    sig = meta.signature_def[signature_key]
+    nodes = {n.name: n for n in meta.graph_def.node}
+
+    def spec(key: str, info, is_input: bool) -> TensorSpec:
+        dtype = np.dtype(tf.dtypes.as_dtype(info.dtype).as_numpy_dtype).name
+        shape = () if info.tensor_shape.unknown_rank else tuple(
+            None if d.size < 0 else int(d.size) for d in info.tensor_shape.dim)
+        node = nodes.get(info.name.split(":")[0])
+        if is_input and node is not None and node.op == "PlaceholderWithDefault":
+            const = nodes.get(node.input[0].split(":")[0])
+            if const is not None and const.op == "Const":
+                value = tf.make_ndarray(const.attr["value"].tensor)
+                return TensorSpec(key, dtype, shape, required=False, default=json_default(value))
+        return TensorSpec(key, dtype, shape)
+
+    return Contract(inputs=tuple(spec(k, v, True) for k, v in sorted(sig.inputs.items())),
+                    outputs=tuple(spec(k, v, False) for k, v in sorted(sig.outputs.items())),
+                    method=sig.method_name, signature_key=signature_key)
+
+
+def contract_json(kind: str, path: Path, contract: Contract) -> str:
+    return json.dumps({"path": str(path), "kind": kind, **contract.to_json()}, indent=2)

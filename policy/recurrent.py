@@ -1,0 +1,223 @@
+"""Recurrent (LSTM) policies: a training-time graph over padded sequences and a one-step
+serving graph, both in one session and sharing every weight.
+
+The training-time graph keeps the semantics a policy is trained with: ``B`` padded sequences
+of ``T`` steps, flattened to ``B*T`` rows, masked by ``seq_lens``, through a Keras LSTM (a while
+loop). That loop cannot be frozen and converted on TF 2.21, so the serving signature — what the
+SavedModel, the frozen graph and the ONNX model hold — is a separate one-step graph: the LSTM's
+own cell called once, the state passed in (``state_in_0`` = h, ``state_in_1`` = c) and out
+(``state_out_0``, ``state_out_1``). Rows with ``seq_lens == 0`` are padding: their state passes
+through unchanged. Stepped parity proves the two graphs compute the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from policy.distributions import ActionDistribution
+from policy.errors import InputError, UnsupportedSpaceError
+from policy.models import ModelInput, build_recurrent_model, model_inputs, preprocess
+from policy.spaces import leaf_dtype, leaf_shape, leaves
+from policy.spec import ModelConfig, PolicySpec
+
+tf1 = tf.compat.v1
+
+
+@dataclass
+class SequenceGraph:
+    """Tensors of the training-time graph, keyed like the signature."""
+
+    inputs: dict[str, tf.Tensor]
+    outputs: dict[str, tf.Tensor]
+    max_seq_len: int
+
+
+@dataclass
+class _Placeholders:
+    obs: dict[str, tf.Tensor]
+    state: list[tf.Tensor]
+    seq_lens: tf.Tensor
+    prev_action: tf.Tensor | None
+    prev_reward: tf.Tensor | None
+
+
+def _placeholders(spec: PolicySpec, prefix: str, cell: int, act_leaf) -> _Placeholders:
+    def name(key: str) -> str:
+        return f"{prefix}{key}"
+
+    obs = {}
+    for leaf in leaves(spec.observation_space):
+        key = leaf.key("observations")
+        obs[key] = tf1.placeholder(tf.as_dtype(leaf_dtype(leaf.space)), (None, *leaf_shape(leaf.space)), name=name(key))
+    state = [tf1.placeholder(tf.float32, (None, cell), name=name(f"state_in_{i}")) for i in range(2)]
+    seq_lens = tf1.placeholder(tf.int32, (None,), name=name("seq_lens"))
+    lstm = spec.model.lstm
+    prev_action = prev_reward = None
+    if lstm.use_prev_action:
+        prev_action = tf1.placeholder(tf.as_dtype(leaf_dtype(act_leaf.space)), (None, *leaf_shape(act_leaf.space)),
+                                      name=name("prev_action"))
+    if lstm.use_prev_reward:
+        prev_reward = tf1.placeholder(tf.float32, (None,), name=name("prev_reward"))
+    return _Placeholders(obs, state, seq_lens, prev_action, prev_reward)
+
+
+def _prev_features(ph: _Placeholders, act_leaf, act_input: ModelInput | None) -> tf.Tensor | None:
+    parts = []
+    if ph.prev_action is not None:
+        parts.append(preprocess(act_leaf, ph.prev_action, act_input))
+    if ph.prev_reward is not None:
+        parts.append(tf.expand_dims(ph.prev_reward, -1))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=-1)
+
+
+def _select_actions(dist: ActionDistribution, explore: tf.Tensor):
+    raw = tf.cond(explore, dist.sample, dist.deterministic_sample)
+    raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    return raw, dist.logp(raw), dist.postprocess(raw)
+
+
+def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
+    """Build a recurrent :class:`TFPolicy` (see the module docstring)."""
+    from policy.tf_policy import session_config
+
+    lstm = spec.model.lstm
+    act_leaves = list(leaves(spec.action_space))
+    if lstm.use_prev_action and len(act_leaves) != 1:
+        raise UnsupportedSpaceError(type(spec.action_space).__name__, "$.model.lstm.use_prev_action",
+                                    ["a single (non-Dict, non-Tuple) action space"])
+    act_leaf = act_leaves[0]
+    act_input = model_inputs(act_leaf.space, ModelConfig(hiddens=()))[0] if lstm.use_prev_action else None
+    prev_size = (act_input.shape[0] if act_input else 0) + (1 if lstm.use_prev_reward else 0)
+    specs = model_inputs(spec.observation_space, spec.model)
+    num_outputs = ActionDistribution.required_inputs(spec.action_space)
+
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(device):
+        tf1.set_random_seed(spec.seed)
+        rm = build_recurrent_model(specs, spec.model, num_outputs, prev_size)
+        explore = tf1.placeholder_with_default(False, (), name="explore")
+        is_training = tf1.placeholder_with_default(False, (), name="is_training")
+        timestep = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
+
+        # serving graph: one step, the cell called directly (no loop)
+        ph = _placeholders(spec, "", lstm.cell_size, act_leaf)
+        with tf1.name_scope("serve"):
+            step_in = [preprocess(leaf, t, s) for leaf, t, s in zip(leaves(spec.observation_space), ph.obs.values(), specs)]
+            prev = _prev_features(ph, act_leaf, act_input)
+            dist_inputs, (h, c) = rm.step(step_in, prev, (ph.state[0], ph.state[1]))
+            active = tf.expand_dims(ph.seq_lens > 0, -1)
+            h = tf.where(active, h, ph.state[0])
+            c = tf.where(active, c, ph.state[1])
+        dist_inputs = tf.identity(dist_inputs, name="action_dist_inputs")
+        dist = ActionDistribution(dist_inputs, spec.action_space)
+        raw, logp, actions = _select_actions(dist, explore)
+        logp = tf.identity(logp, name="action_logp")
+        actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(actions)]
+        state_out = [tf.identity(h, name="state_out_0"), tf.identity(c, name="state_out_1")]
+
+        # the base model's sequence form on the serving inputs (T = 1): checks the Keras files
+        seq_in = [tf.expand_dims(x, 1) for x in step_in]
+        model_args = [*seq_in] + ([tf.expand_dims(prev, 1)] if prev is not None else [])
+        mask = tf.expand_dims(ph.seq_lens > 0, 1)
+        model_out = rm.sequence_model([*model_args, mask, ph.state[0], ph.state[1]])
+        model_io = ([*model_args, mask, ph.state[0], ph.state[1]], list(model_out))
+
+        sequence = _training_graph(spec, rm, specs, act_leaf, act_input, explore, timestep)
+        init = tf1.global_variables_initializer()
+
+    session = tf1.Session(graph=graph, config=session_config(device))
+    session.run(init)
+    policy = cls(
+        spec.observation_space, spec.action_space, session,
+        observations=ph.obs, sampled_action=actions, action_logp=logp, action_dist_inputs=dist_inputs,
+        explore=explore, is_training=is_training, timestep=timestep,
+        state_inputs=ph.state, state_outputs=state_out, seq_lens=ph.seq_lens,
+        prev_action=ph.prev_action, prev_reward=ph.prev_reward,
+        model=rm.sequence_model, model_io=model_io, raw_actions=raw, sequence_graph=sequence, name=spec.name,
+        image_inputs=[k for k, s in zip(ph.obs, specs) if s.image],
+    )
+    if spec.weights is not None:
+        policy.import_model_from_h5(spec.weights)
+    return policy
+
+
+def _training_graph(spec: PolicySpec, rm, specs: Sequence[ModelInput], act_leaf, act_input, explore, timestep) -> SequenceGraph:
+    """``B*T`` padded rows, ``seq_lens`` per sequence, the Keras LSTM (training-time semantics)."""
+    ph = _placeholders(spec, "sequences/", spec.model.lstm.cell_size, act_leaf)
+    with tf1.name_scope("sequences"):
+        batch = tf.shape(ph.seq_lens)[0]
+        first = next(iter(ph.obs.values()))
+        time = tf.shape(first)[0] // batch
+
+        def add_time(x: tf.Tensor) -> tf.Tensor:
+            return tf.reshape(x, tf.concat([[batch, time], tf.shape(x)[1:]], axis=0))
+
+        seq_in = [add_time(preprocess(leaf, t, s)) for leaf, t, s in zip(leaves(spec.observation_space), ph.obs.values(), specs)]
+        prev = _prev_features(ph, act_leaf, act_input)
+        mask = tf.sequence_mask(ph.seq_lens, time)
+        args = [*seq_in] + ([add_time(prev)] if prev is not None else [])
+        dist_seq, h, c = rm.sequence_model([*args, mask, ph.state[0], ph.state[1]])
+        dist_inputs = tf.reshape(dist_seq, (-1, int(dist_seq.shape[-1])))
+        dist = ActionDistribution(dist_inputs, spec.action_space)
+        _, logp, actions = _select_actions(dist, explore)
+    inputs = {**ph.obs, "state_in_0": ph.state[0], "state_in_1": ph.state[1], "seq_lens": ph.seq_lens,
+              "explore": explore, "timestep": timestep}
+    if ph.prev_action is not None:
+        inputs["prev_action"] = ph.prev_action
+    if ph.prev_reward is not None:
+        inputs["prev_reward"] = ph.prev_reward
+    outputs = {f"actions_{i}": a for i, a in enumerate(actions)}
+    outputs.update({"state_out_0": h, "state_out_1": c, "action_dist_inputs": dist_inputs,
+                    "action_logp": logp, "action_prob": tf.exp(logp)})
+    return SequenceGraph(inputs, outputs, spec.model.lstm.max_seq_len)
+
+
+def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, seq_lens, explore: bool,
+                             timestep) -> Any:
+    """:meth:`TFPolicy.compute_actions` for recurrent policies (the training-time graph)."""
+    from policy.tf_policy import ActionResult, unflatten
+
+    graph = policy.sequence_graph
+    feeds = policy.observation_feeds(obs)
+    rows = len(np.asarray(next(iter(feeds.values()))))
+    seq_lens = np.ones(rows, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
+    if seq_lens.ndim != 1 or len(seq_lens) == 0 or rows % len(seq_lens):
+        raise InputError(f"{rows} observation rows do not split into {len(seq_lens)} padded sequences")
+    if np.any(seq_lens < 0) or np.any(seq_lens > rows // len(seq_lens)):
+        raise InputError(f"seq_lens {seq_lens.tolist()} must lie in [0, {rows // len(seq_lens)}] (the padded length)")
+    batch = len(seq_lens)
+    initial = policy.get_initial_state()
+    state = [np.stack([s] * batch) for s in initial] if state is None else [np.asarray(s, np.float32) for s in state]
+    for i, s in enumerate(state):
+        if s.shape != (batch, *initial[i].shape):
+            raise InputError(f"state[{i}] has shape {list(s.shape)}, expected [{batch}, {initial[i].shape[0]}]")
+    feeds.update({"state_in_0": state[0], "state_in_1": state[1], "seq_lens": seq_lens,
+                  "explore": np.bool_(explore)})
+    for key, value in (("prev_action", prev_action), ("prev_reward", prev_reward)):
+        if key in graph.inputs:
+            if value is None:
+                raise InputError(f"this policy uses {key}; pass it (one row per observation row)")
+            feeds[key] = np.asarray(value)
+    if timestep is not None:
+        feeds["timestep"] = np.int64(timestep)
+    feed_dict = {}
+    for key, value in feeds.items():
+        tensor = graph.inputs[key]
+        arr = np.asarray(value).astype(tensor.dtype.as_numpy_dtype)
+        want = tensor.shape.as_list()
+        if arr.ndim != len(want) or any(d is not None and d != a for d, a in zip(want, arr.shape)):
+            raise InputError(f"{key}: expected shape {want} (None = any), got {list(arr.shape)}")
+        feed_dict[tensor] = arr
+    fetches = dict(zip(graph.outputs, policy.session.run(list(graph.outputs.values()), feed_dict)))
+    actions = [fetches[k] for k in fetches if k.startswith("actions_")]
+    return ActionResult(actions=unflatten(policy.action_space, actions),
+                        state_out=[fetches["state_out_0"], fetches["state_out_1"]], fetches=fetches)
+
+

@@ -1,0 +1,222 @@
+"""A deployment pipeline end to end: export, verify, tamper, diff, convert, inspect, JUnit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import FIXTURES_DIR
+from exporter import export_policy
+from exporter.convert import convert_saved_model, load_saved_model_policy
+from exporter.inspection import contract_of
+from policy import ExportError, TFPolicy
+from signatures.contract import Contract, TensorSpec
+from signatures.diff import diff_contracts
+from test_cli import cli
+
+tf1 = tf.compat.v1
+
+
+def rllib_style_saved_model(path: Path, recurrent: bool, out_names=("lstm/Exit_3", "lstm/Exit_4")) -> Path:
+    """A SavedModel shaped like RLlib's export_policy_model: raw tensor names as state keys."""
+    graph = tf.Graph()
+    rng = np.random.default_rng(3)
+    with graph.as_default(), tf1.variable_scope("default_policy"):
+        obs = tf1.placeholder(tf.float32, (None, 4), name="observation")
+        is_training = tf1.placeholder_with_default(False, (), name="is_training")
+        timestep = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
+        prev_action = tf1.placeholder(tf.int64, (None,), name="prev_action")
+        prev_reward = tf1.placeholder(tf.float32, (None,), name="prev_reward")
+        w = tf1.get_variable("w", initializer=rng.normal(size=(4, 8)).astype(np.float32))
+        x = tf.tanh(tf.matmul(obs, w) + 0.1 * tf.expand_dims(prev_reward, -1)
+                    + 0.1 * tf.one_hot(prev_action, 8))
+        inputs = {"observations": obs, "is_training": is_training, "timestep": timestep,
+                  "prev_action": prev_action, "prev_reward": prev_reward}
+        outputs = {}
+        if recurrent:
+            seq_lens = tf1.placeholder(tf.int32, (None,), name="seq_lens")
+            h = tf1.placeholder(tf.float32, (None, 8), name="Placeholder")
+            c = tf1.placeholder(tf.float32, (None, 8), name="Placeholder_1")
+            u = tf1.get_variable("u", initializer=rng.normal(size=(8, 8)).astype(np.float32) * 0.3)
+            c_new = tf.identity(0.5 * c + 0.5 * tf.tanh(x + tf.matmul(h, u)), name=out_names[1])
+            h_new = tf.identity(tf.tanh(c_new), name=out_names[0])
+            x = h_new
+            inputs.update({"seq_lens": seq_lens, h.name: h, c.name: c})
+            outputs.update({h_new.name: h_new, c_new.name: c_new})
+        v = tf1.get_variable("v", initializer=rng.normal(size=(8, 3)).astype(np.float32))
+        logits = tf.matmul(x, v, name="logits")
+        action = tf.argmax(logits, axis=1)
+        logp = tf.reduce_max(tf.nn.log_softmax(logits), axis=1)
+        value = tf.reduce_sum(x, axis=1, name="value")
+        outputs.update({"actions_0": action, "action_dist_inputs": logits, "action_logp": logp,
+                        "action_prob": tf.exp(logp), "vf_preds": value})
+        sess = tf1.Session(graph=graph)
+        sess.run(tf1.global_variables_initializer())
+        build = tf1.saved_model.utils.build_tensor_info
+        sig = tf1.saved_model.signature_def_utils.build_signature_def(
+            {k: build(t) for k, t in inputs.items()}, {k: build(t) for k, t in outputs.items()},
+            tf1.saved_model.signature_constants.PREDICT_METHOD_NAME)
+        builder = tf1.saved_model.Builder(str(path))
+        builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
+        builder.save()
+    return path
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_convert_rllib_style_saved_model(recurrent, tmp_path):
+    src = rllib_style_saved_model(tmp_path / "rllib", recurrent)
+    result = convert_saved_model(src, tmp_path / "out", device="cpu", samples=200)
+    keys_in = [i["key"] for i in result.manifest["contract"]["inputs"]]
+    keys_out = [o["key"] for o in result.manifest["contract"]["outputs"]]
+    assert not any(":" in k for k in keys_in + keys_out)
+    mapping = result.manifest["source"]["key_mapping"]
+    if recurrent:
+        assert mapping == {"state_in_0": "default_policy/Placeholder:0", "state_in_1": "default_policy/Placeholder_1:0",
+                           "state_out_0": "default_policy/lstm/Exit_3:0", "state_out_1": "default_policy/lstm/Exit_4:0"}
+        assert {"state_in_0", "state_in_1", "seq_lens"} <= set(keys_in)
+        assert {"state_out_0", "state_out_1"} <= set(keys_out)
+    else:
+        assert mapping == {}
+    assert "vf_preds" in keys_out
+    records = {(r.format, r.key): r for r in result.parity.records}
+    assert records[("onnx", "actions_0")].mismatches == 0
+    assert all(r.passed and (r.exact or r.max_abs_err <= 1e-5) for r in result.parity.records)
+    assert set(result.formats) == {"saved_model", "frozen_graph", "onnx"}
+    # the converted export verifies like any other, from the command line
+    proc = cli("verify", str(tmp_path / "out"), "--samples", "50")
+    assert proc.returncode == 0, proc.stderr
+    # and the original can be inspected as it is, raw keys and all
+    kind, contract = contract_of(src)
+    assert kind == "saved_model"
+    assert ("default_policy/Placeholder:0" in contract.input_keys) == recurrent
+
+
+def test_convert_state_pairs_given_explicitly(tmp_path):
+    """Names whose natural order would pair h with c: the pairs are given on the command line."""
+    src = rllib_style_saved_model(tmp_path / "rllib", True, out_names=("lstm/state_h", "lstm/state_c"))
+    h_in, c_in = "default_policy/Placeholder:0", "default_policy/Placeholder_1:0"
+    h_out, c_out = "default_policy/lstm/state_h:0", "default_policy/lstm/state_c:0"
+    out = tmp_path / "out"
+    proc = cli("convert", str(src), "--out", str(out), "--samples", "100",
+               "--state", f"{h_in}={h_out}", "--state", f"{c_in}={c_out}")
+    assert proc.returncode == 0, proc.stderr
+    mapping = json.loads((out / "manifest.json").read_text())["source"]["key_mapping"]
+    assert (mapping["state_out_0"], mapping["state_out_1"]) == (h_out, c_out)
+    proc = cli("convert", str(src), "--out", str(tmp_path / "x"), "--state", f"{h_in}=nope")
+    assert proc.returncode == 2 and "state pairs" in proc.stderr
+
+
+def test_convert_refuses_what_is_not_a_policy_saved_model(tmp_path):
+    with pytest.raises(ExportError, match="not a SavedModel"):
+        convert_saved_model(tmp_path, tmp_path / "out")
+    src = rllib_style_saved_model(tmp_path / "rllib", recurrent=False)
+    with pytest.raises(ExportError, match="no signature 'nope'"):
+        load_saved_model_policy(src, signature_key="nope", device="cpu")
+
+
+def _contract(inputs, outputs) -> Contract:
+    return Contract(tuple(inputs), tuple(outputs))
+
+
+OBS = TensorSpec("observations", "float32", (None, 4))
+EXPLORE = TensorSpec("explore", "bool", (), required=False, default=False)
+ACT = TensorSpec("actions_0", "int64", (None,))
+
+
+@pytest.mark.parametrize("new, breaking, fragment", [
+    (_contract([OBS, EXPLORE], [ACT]), False, None),
+    (_contract([OBS, EXPLORE], [ACT, TensorSpec("vf_preds", "float32", (None,))]), False, "added"),
+    (_contract([OBS, EXPLORE, TensorSpec("timestep", "int64", (), False, 0)], [ACT]), False, "optional"),
+    (_contract([OBS], [ACT]), True, "removed"),
+    (_contract([OBS, EXPLORE], []), True, "removed"),
+    (_contract([TensorSpec("observations", "float64", (None, 4)), EXPLORE], [ACT]), True, "dtype"),
+    (_contract([TensorSpec("observations", "float32", (None, 5)), EXPLORE], [ACT]), True, "dimension 1"),
+    (_contract([TensorSpec("observations", "float32", (None, 4, 1)), EXPLORE], [ACT]), True, "rank"),
+    (_contract([OBS, EXPLORE, TensorSpec("seq_lens", "int32", (None,))], [ACT]), True, "required input"),
+    (_contract([OBS, TensorSpec("explore", "bool", ())], [ACT]), True, "became required"),
+    (_contract([OBS, TensorSpec("explore", "bool", (), False, True)], [ACT]), True, "default changed"),
+])
+def test_diff_classifies_each_change(new, breaking, fragment):
+    result = diff_contracts(_contract([OBS, EXPLORE], [ACT]), new)
+    assert result.compatible is (not breaking)
+    if fragment:
+        assert any(fragment in c.what for c in result.changes), result.changes
+
+
+def test_deployment_pipeline(tmp_path, policies, exports):
+    """Export, verify, tamper, diff against changed policies, inspect, with JUnit CI can read."""
+    _, v1 = exports("cartpole_mlp")
+    work = tmp_path / "v1"
+    shutil.copytree(v1, work)
+    assert cli("verify", str(work), "--junit", str(tmp_path / "ok.xml")).returncode == 0
+    cases = ET.parse(tmp_path / "ok.xml").getroot().findall(".//testcase")
+    names = {(c.get("classname"), c.get("name")) for c in cases}
+    assert ("verify.onnx", "actions_0") in names and ("verify.files", "sha256") in names
+    assert ("verify.keras_h5", "base_model_out") in names
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(v1, tampered)
+    (tampered / "parity" / "report.json").write_text("{}")
+    proc = cli("verify", str(tampered), "--junit", str(tmp_path / "bad.xml"))
+    assert proc.returncode == 1 and "changed file parity/report.json" in proc.stdout
+    failures = ET.parse(tmp_path / "bad.xml").getroot().findall(".//failure")
+    assert [f.get("message") for f in failures] == ["changed file parity/report.json (sha256 differs from the manifest)"]
+
+    # compatible: the same policy with an extra output
+    policy = policies("cartpole_mlp")
+    with policy.graph.as_default():
+        value = tf.reduce_sum(policy.inputs["observations"], axis=1)
+    extended = TFPolicy(policy.observation_space, policy.action_space, policy.session,
+                        observations=policy.inputs["observations"], sampled_action=policy.outputs["actions_0"],
+                        action_logp=policy.outputs["action_logp"], action_prob=policy.outputs["action_prob"],
+                        action_dist_inputs=policy.outputs["action_dist_inputs"], explore=policy.inputs["explore"],
+                        is_training=policy.inputs["is_training"], timestep=policy.inputs["timestep"],
+                        extra_fetches={"vf_preds": value}, model=policy.model, model_io=policy.model_io)
+    v2 = tmp_path / "v2"
+    export_policy(extended, v2, samples=64, explore_samples=0, device="cpu", formats=["onnx"])
+    proc = cli("diff", str(v1), str(v2), "--json")
+    assert proc.returncode == 0, proc.stdout
+    assert json.loads(proc.stdout)["changes"] == [
+        {"kind": "compatible", "side": "output", "key": "vf_preds", "what": "was added"}]
+
+    # breaking: a policy with three actions (action_dist_inputs changes width)
+    spec_dir = tmp_path / "three"
+    shutil.copytree(FIXTURES_DIR / "cartpole_mlp", spec_dir)
+    spec = json.loads((spec_dir / "policy.json").read_text())
+    spec["action_space"]["n"] = 3
+    del spec["weights"]
+    (spec_dir / "policy.json").write_text(json.dumps(spec))
+    v3 = tmp_path / "v3"
+    assert cli("export", str(spec_dir), "--out", str(v3), "--formats", "onnx", "--samples", "64",
+               "--explore-samples", "0").returncode == 0
+    proc = cli("diff", str(v1), str(v3))
+    assert proc.returncode == 1 and "action_dist_inputs" in proc.stdout and "BREAKING" in proc.stdout
+
+    # inspect reads an export, a bare ONNX file and a SavedModel alike
+    for target in (v1, v1 / "model.onnx", v1 / "saved_model"):
+        proc = cli("inspect", str(target), "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert [i["key"] for i in doc["inputs"]][:1] == ["observations"] or doc["kind"] == "saved_model"
+        explore = [i for i in doc["inputs"] if i["key"] == "explore"][0]
+        assert explore["required"] is False and explore["default"] is False
+
+
+def test_inspect_refuses_files_that_are_not_models(tmp_path):
+    fake = tmp_path / "model.onnx"
+    fake.write_bytes(b"not onnx")
+    proc = cli("inspect", str(fake))
+    assert proc.returncode == 2 and "not a valid ONNX model" in proc.stderr
+    (tmp_path / "sm").mkdir()
+    (tmp_path / "sm" / "saved_model.pb").write_bytes(b"\x00garbage")
+    proc = cli("inspect", str(tmp_path / "sm"))
+    assert proc.returncode == 2 and "not a SavedModel" in proc.stderr
+    proc = cli("inspect", str(tmp_path))
+    assert proc.returncode == 2 and "is not an export directory" in proc.stderr
