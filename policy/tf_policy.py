@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from policy import h5io
 from policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
-from policy.errors import InputError, PolicyExportError, UnsupportedSpaceError, WeightsError
+from policy.errors import InputError, PolicyExportError, WeightsError
 from policy.models import build_model, model_inputs, named_weights, preprocess
 from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves, nest_from_leaves
 from policy.spec import PolicySpec

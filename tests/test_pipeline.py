@@ -7,7 +7,6 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import tensorflow as tf

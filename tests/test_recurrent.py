@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FIXTURES_DIR, RECURRENT
+from conftest import RECURRENT
 from exporter.devices import plan_devices
 from exporter.rollout import rollout
 from exporter.saved_model import SavedModelRunner
