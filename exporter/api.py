@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import time
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ _WRITERS = {
     "saved_model": (saved_model.write, saved_model.DIRNAME),
     "frozen_graph": (frozen_graph.write, frozen_graph.FILENAME),
     "onnx": (onnx_model.write, onnx_model.FILENAME),
+    "onnx_deterministic": (onnx_model.write_deterministic, onnx_model.DETERMINISTIC_FILENAME),
     "keras": (keras_model.write, keras_model.DIRNAME),
 }
 
@@ -65,13 +68,23 @@ class ParityFailedError(CheckFailedError):
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What :func:`export_policy` wrote."""
+    """What :func:`export_policy` wrote; ``timings`` holds each stage's wall time in seconds."""
 
     path: Path
     formats: dict[str, FormatRecord]
     files: list[dict[str, Any]]
     parity: ParityReport
     manifest: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _stage(timings: dict[str, float], name: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -143,14 +156,23 @@ def export_policy(
     if "keras" in formats and policy.model is None:
         formats = tuple(f for f in formats if f != "keras")
         log.info("the policy has no Keras base model: skipping the keras format")
+    if "onnx_deterministic" in formats and not policy.deterministic_outputs:
+        formats = tuple(f for f in formats if f != "onnx_deterministic")
+        log.info("the policy exposes no deterministic outputs: skipping onnx_deterministic")
     ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw)
 
+    timings: dict[str, float] = {}
     with staged_directory(out, overwrite) as stage:
         records: dict[str, FormatRecord] = {}
+        if "frozen_graph" in formats or "onnx" in formats:
+            with _stage(timings, "freeze"):
+                ctx.frozen_graph_def()
         for fmt in formats:
             writer, name = _WRITERS[fmt]
             log.info("writing %s", fmt)
-            records[fmt] = writer(ctx, stage / name)
+            with _stage(timings, f"write {fmt}"):
+                records[fmt] = writer(ctx, stage / name)
+        parity_start = time.perf_counter()
         golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
         golden_out = _reference_outputs(policy, golden_in, batch_size)
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
@@ -163,6 +185,7 @@ def export_policy(
         _check_formats(stage, formats, signature.tensor_names(), plan, golden_in, golden_out,
                        signature.contract, tolerances, batch_size, report, explore=explore,
                        formats_info={k: r.details for k, r in records.items()}, stepped=stepped)
+        timings["parity"] = time.perf_counter() - parity_start
         _write_golden(stage, golden_in, golden_out, report)
         doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
         if source:
@@ -173,7 +196,7 @@ def export_policy(
             raise ParityFailedError(
                 "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures()), report
             )
-    return ExportResult(out, records, doc["files"], report, doc)
+    return ExportResult(out, records, doc["files"], report, doc, timings)
 
 
 def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto", **options: Any) -> ExportResult:
@@ -183,11 +206,15 @@ def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto",
 
     plan = plan_devices(device)
     check_target(Path(out).absolute(), options.get("overwrite", False))
+    start = time.perf_counter()
     policy = TFPolicy.from_spec(load_spec(spec_path), device=plan.tf_device)
+    build = time.perf_counter() - start
     try:
-        return export_policy(policy, out, device=plan, **options)
+        result = export_policy(policy, out, device=plan, **options)
     finally:
         policy.close()
+    result.timings["graph build"] = build
+    return result
 
 
 def verify_export(
@@ -304,7 +331,6 @@ class _SteppedSetup:
     initial_state: list[np.ndarray]
     serving: dict[str, np.ndarray]
     training: dict[str, np.ndarray]
-    keys: list[str]
 
     @classmethod
     def make(cls, policy, contract: Contract, steps: int, sequences: int, seed: int) -> "_SteppedSetup":
@@ -313,14 +339,14 @@ class _SteppedSetup:
         serving = run_stepped(policy.run, inputs, initial)
         chunk = policy.sequence_graph_chunk
         training = run_training_graph(policy, inputs, chunk)
-        return cls(inputs, initial, serving, training, contract.output_keys)
+        return cls(inputs, initial, serving, training)
 
-    def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
+    def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport, keys: Sequence[str]) -> None:
         got = run_stepped(runner, self.inputs, self.initial_state)
         steps = len(next(iter(self.inputs.values())))
-        report.records.extend(compare_stepped(f"{fmt} (stepped {steps})", self.serving, got, tolerances, self.keys))
+        report.records.extend(compare_stepped(f"{fmt} (stepped {steps})", self.serving, got, tolerances, list(keys)))
         report.records.extend(compare_stepped(f"{fmt} (stepped {steps} vs sequences)", self.training, got,
-                                              tolerances, self.keys))
+                                              tolerances, list(keys)))
 
 
 def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
@@ -347,12 +373,18 @@ def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str
         if fmt == "onnx":
             report.devices["onnxruntime_providers_used"] = list(runner.providers)
         got = run_batched(runner, golden_in, batch_size)
-        report.records.extend(compare(fmt, golden_out, got, tolerances, keys))
-        if explore is not None:
+        report.records.extend(compare(fmt, golden_out, got, tolerances, _output_keys(fmt, keys, formats_info)))
+        if explore is not None and fmt != "onnx_deterministic":
             explore.check(fmt, runner, tolerances, report)
         if stepped is not None:
-            stepped.check(fmt, runner, tolerances, report)
+            stepped.check(fmt, runner, tolerances, report, _output_keys(fmt, keys, formats_info))
         getattr(runner, "close", lambda: None)()
+
+
+def _output_keys(fmt: str, keys: Sequence[str], formats_info: Mapping[str, Any] | None) -> list[str]:
+    """The outputs a format has: all of the contract's, but for the deterministic model, its own."""
+    own = (formats_info or {}).get(fmt, {}).get("outputs")
+    return [k for k in keys if k in own] if fmt == "onnx_deterministic" and own else list(keys)
 
 
 def _load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
@@ -362,6 +394,8 @@ def _load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: De
         return frozen_graph.load(root, tensor_names, plan)
     if fmt == "onnx":
         return onnx_model.load(root, plan)
+    if fmt == "onnx_deterministic":
+        return onnx_model.load(root, plan, onnx_model.DETERMINISTIC_FILENAME)
     raise ExportError(f"no runner for format {fmt!r}")
 
 
@@ -394,7 +428,8 @@ def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, 
             continue
         runner = _load_runner(fmt, out, doc["tensor_names"], plan)
         got = run_batched(runner, feeds, batch_size)
-        report.records.extend(compare(f"{fmt} vs saved_model", reference, got, tolerances, contract.output_keys))
+        keys = _output_keys(fmt, contract.output_keys, doc["formats"])
+        report.records.extend(compare(f"{fmt} vs saved_model", reference, got, tolerances, keys))
 
 
 def _write_golden(root: Path, golden_in, golden_out, report: ParityReport) -> None:

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     ex.add_argument("--formats", default=None, metavar="LIST",
-                    help="comma-separated subset of saved_model,frozen_graph,onnx,keras (default all)")
+                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras (default all)")
     ex.add_argument("--opset", type=int, default=17, metavar="N", help="ONNX opset (default 17)")
     ex.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the parity samples (default 0)")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")

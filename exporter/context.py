@@ -11,7 +11,7 @@ from policy.errors import InputError
 
 DEFAULT_OPSET = 17
 SUPPORTED_OPSETS = range(13, 22)
-ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "keras")
+ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras")
 
 
 def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:

@@ -26,22 +26,26 @@ from signatures.contract import Contract
 
 log = logging.getLogger(__name__)
 FILENAME = "model.onnx"
+DETERMINISTIC_FILENAME = "model_deterministic.onnx"
+RANDOM_OPS = {"Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli"}
 BATCH_DIM = "batch"
 CONTRACT_METADATA = "policy_export.contract"
 LAYOUT_METADATA = "policy_export.nchw_inputs"
 
 
-def convert(ctx: ExportContext) -> onnx.ModelProto:
-    """tf2onnx conversion of the frozen graph, then keys, optional inputs, batch dims and checks.
+def convert(ctx: ExportContext, signature=None, graph_def=None) -> onnx.ModelProto:
+    """tf2onnx conversion of a frozen graph, then keys, optional inputs, batch dims and checks.
+
+    Defaults to the policy's signature and the export's frozen graph.
 
     Raises:
         ExportError: the conversion fails, the opset is not the requested one, or the checker fails.
     """
     import tf2onnx
 
-    graph_def = ctx.frozen_graph_def()
+    sig = signature or ctx.signature
+    graph_def = graph_def if graph_def is not None else ctx.frozen_graph_def()
     present = {n.name for n in graph_def.node}
-    sig = ctx.signature
     inputs = {k: t.name for k, t in sig.inputs.items() if t.op.name in present}
     outputs = {k: t.name for k, t in sig.outputs.items()}
     if len(set(outputs.values())) != len(outputs):
@@ -68,6 +72,7 @@ def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: l
     """
     _check_opset(model, opset)
     graph = model.graph
+    _scalar_one_hot_depths(graph)
     _add_missing_inputs(graph, contract)
     _name_batch_dims(graph, contract)
     del model.metadata_props[:]
@@ -84,6 +89,22 @@ def _check_opset(model: onnx.ModelProto, opset: int) -> None:
     versions = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     if versions.get("ai.onnx") != opset:
         raise ExportError(f"requested ONNX opset {opset} but the converter wrote opset {versions.get('ai.onnx')}")
+
+
+def _scalar_one_hot_depths(graph: onnx.GraphProto) -> None:
+    """Make every constant ``OneHot`` depth a scalar (tf2onnx writes a one-element tensor, which
+    the spec allows but some runtimes, onnx's reference evaluator among them, reject)."""
+    initializers = {i.name: i for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type != "OneHot" or node.input[1] not in initializers:
+            continue
+        depth = numpy_helper.to_array(initializers[node.input[1]])
+        if depth.shape == (1,):
+            name = f"{node.input[1]}__scalar"
+            if name not in initializers:
+                initializers[name] = numpy_helper.from_array(depth.reshape(()), name)
+                graph.initializer.append(initializers[name])
+            node.input[1] = name
 
 
 def _add_missing_inputs(graph: onnx.GraphProto, contract: Contract) -> None:
@@ -125,6 +146,30 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     })
 
 
+def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
+    """Convert and save the deterministic path alone: no random ops, no explore branch.
+
+    Raises:
+        ExportError: the policy exposes no deterministic outputs, or the model still holds
+            random ops or control flow.
+    """
+    from exporter import frozen_graph
+    from signatures.builder import build_deterministic_signature
+
+    sig = build_deterministic_signature(ctx.policy)
+    if sig is None:
+        raise ExportError("the policy exposes no deterministic outputs; leave 'onnx_deterministic' out of the formats")
+    model = convert(ctx, sig, frozen_graph.freeze(ctx.policy, sig))
+    unwanted = sorted({n.op_type for n in model.graph.node} & (RANDOM_OPS | {"If", "Loop"}))
+    if unwanted:
+        raise ExportError(f"the deterministic model still holds {unwanted}")
+    onnx.save_model(model, str(target))
+    return FormatRecord("onnx_deterministic", (target.name,), {
+        "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
+        "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model),
+    })
+
+
 def nchw_inputs(model: onnx.ModelProto) -> list[str]:
     """Inputs this model takes in NCHW layout (from its metadata)."""
     for prop in model.metadata_props:
@@ -141,6 +186,51 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     return None
 
 
+def check_file(path: Path) -> None:
+    """Run ``onnx.checker`` on a model file before any runtime loads it.
+
+    Raises:
+        ExportError: the file is missing or is not a valid ONNX model.
+    """
+    if not Path(path).is_file():
+        raise ExportError(f"{path} does not exist")
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # DecodeError, ValidationError, OSError...
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+
+
+def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
+                      optimization: str = "all"):
+    """An ``onnxruntime.InferenceSession`` for an exported model, with the options that matter.
+
+    ``threads``: intra- and inter-op threads (``1`` gives the lowest latency for small policies
+    at small batches; ``None`` keeps ONNX Runtime's default, one per core). ``optimization``:
+    ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (graph optimisation level).
+
+    Raises:
+        ExportError: an unknown optimisation level, or a file ONNX Runtime cannot load.
+    """
+    import onnxruntime as ort
+
+    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    if optimization not in levels:
+        raise ExportError(f"unknown optimisation level {optimization!r}; choose {', '.join(levels)}")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = levels[optimization]
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
+
+
 class OnnxRunner:
     """ONNX Runtime session over a model file; runs by key, feeding only what is given.
 
@@ -149,16 +239,8 @@ class OnnxRunner:
     """
 
     def __init__(self, path: Path, device: DevicePlan, threads: int | None = None):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=list(device.ort_providers))
-        except Exception as e:  # onnxruntime raises its own exception types
-            raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
+        check_file(path)
+        self.session = inference_session(path, list(device.ort_providers), threads)
         self.providers = self.session.get_providers()
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.input_types.update({i.name: i.type for i in self.session.get_overridable_initializers()})
@@ -177,8 +259,8 @@ class OnnxRunner:
         return dict(zip(self.output_names, values))
 
 
-def load(export_dir: Path, device: DevicePlan) -> OnnxRunner:
-    """A runner over ``export_dir/model.onnx``."""
-    return OnnxRunner(export_dir / FILENAME, device)
+def load(export_dir: Path, device: DevicePlan, filename: str = FILENAME) -> OnnxRunner:
+    """A runner over ``export_dir/model.onnx`` (or another model file of the export)."""
+    return OnnxRunner(export_dir / filename, device)
 
 

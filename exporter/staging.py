@@ -59,6 +59,7 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
     except OSError as e:
         raise ExportError(f"cannot create directory {out.parent}: {e.strerror}") from e
     with _lock(out):
+        _remove_stale(out)
         try:
             stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         except OSError as e:
@@ -70,6 +71,13 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove what a killed export left beside ``out`` (its lock is ours now, so nobody else is writing)."""
+    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
+        for stale in out.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _replace(stage: Path, out: Path) -> None:

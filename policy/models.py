@@ -77,28 +77,47 @@ def preprocess(leaf: Leaf, tensor: tf.Tensor, spec: ModelInput) -> tf.Tensor:
     return tf.reshape(tf.cast(tensor, tf.float32), (-1, spec.shape[0]))
 
 
-def build_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int) -> keras.Model:
+class _Seeds:
+    """Initializer seeds derived from the spec's seed, one per layer: weights initialised from a
+    seed are the same in every process (unseeded Keras initializers draw their own seeds)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.count = 0
+
+    def __call__(self, kind: str = "glorot_uniform"):
+        self.count += 1
+        value = (self.seed * 7919 + self.count) % (2**31 - 1)
+        return {"glorot_uniform": keras.initializers.GlorotUniform,
+                "orthogonal": keras.initializers.Orthogonal}[kind](seed=value)
+
+
+def build_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int, seed: int = 0) -> keras.Model:
     """Functional model: conv stacks for image inputs, concat, ``fc_1..fc_N``, linear ``fc_out``."""
-    encoder = build_encoder(inputs, config, name=BASE_MODEL_NAME)
-    out = keras.layers.Dense(num_outputs, activation=None, name="fc_out")(encoder.outputs[0])
+    seeds = _Seeds(seed)
+    encoder = build_encoder(inputs, config, name=BASE_MODEL_NAME, seeds=seeds)
+    out = keras.layers.Dense(num_outputs, activation=None, name="fc_out",
+                             kernel_initializer=seeds())(encoder.outputs[0])
     return keras.Model(encoder.inputs, out, name=BASE_MODEL_NAME)
 
 
-def build_encoder(inputs: Sequence[ModelInput], config: ModelConfig, name: str = "encoder") -> keras.Model:
+def build_encoder(inputs: Sequence[ModelInput], config: ModelConfig, name: str = "encoder",
+                  seeds: _Seeds | None = None) -> keras.Model:
     """Conv stacks for image inputs, concat, ``fc_1..fc_N``: per-step features."""
+    seeds = seeds or _Seeds(0)
     k_inputs, features = [], []
     for spec in inputs:
         x = keras.Input(shape=spec.shape, name=spec.name, dtype="float32")
         k_inputs.append(x)
         if spec.image:
             for i, (filters, kernel, stride) in enumerate(config.conv_filters, start=1):
-                x = keras.layers.Conv2D(filters, kernel, strides=stride, padding="same",
-                                        activation=config.activation, name=f"{spec.name}_conv_{i}")(x)
+                x = keras.layers.Conv2D(filters, kernel, strides=stride, padding="same", activation=config.activation,
+                                        name=f"{spec.name}_conv_{i}", kernel_initializer=seeds())(x)
             x = keras.layers.Flatten(name=f"{spec.name}_flatten")(x)
         features.append(x)
     x = features[0] if len(features) == 1 else keras.layers.Concatenate(name="concat_inputs")(features)
     for i, size in enumerate(config.hiddens, start=1):
-        x = keras.layers.Dense(size, activation=config.activation, name=f"fc_{i}")(x)
+        x = keras.layers.Dense(size, activation=config.activation, name=f"fc_{i}", kernel_initializer=seeds())(x)
     return keras.Model(k_inputs, x, name=name)
 
 
@@ -129,12 +148,14 @@ class RecurrentModel:
 
 
 def build_recurrent_model(inputs: Sequence[ModelInput], config: ModelConfig, num_outputs: int,
-                          prev_size: int) -> RecurrentModel:
+                          prev_size: int, seed: int = 0) -> RecurrentModel:
     """Encoder, LSTM(``config.lstm.cell_size``) and ``fc_out``, wired as a sequence model."""
     cell = config.lstm.cell_size
-    encoder = build_encoder(inputs, config)
-    lstm = keras.layers.LSTM(cell, return_sequences=True, return_state=True, name="lstm")
-    head = keras.layers.Dense(num_outputs, activation=None, name="fc_out")
+    seeds = _Seeds(seed)
+    encoder = build_encoder(inputs, config, seeds=seeds)
+    lstm = keras.layers.LSTM(cell, return_sequences=True, return_state=True, name="lstm",
+                             kernel_initializer=seeds(), recurrent_initializer=seeds("orthogonal"))
+    head = keras.layers.Dense(num_outputs, activation=None, name="fc_out", kernel_initializer=seeds())
     seq_inputs = [keras.Input(shape=(None, *spec.shape), name=f"{spec.name}_seq", dtype="float32") for spec in inputs]
     x = keras.layers.TimeDistributed(encoder, name="encoder_steps")(seq_inputs[0] if len(seq_inputs) == 1 else seq_inputs)
     extra = []

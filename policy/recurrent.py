@@ -85,7 +85,7 @@ def _select_actions(dist: ActionDistribution, explore: tf.Tensor):
 
 def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     """Build a recurrent :class:`TFPolicy` (see the module docstring)."""
-    from policy.tf_policy import session_config
+    from policy.tf_policy import deterministic_path, session_config
 
     lstm = spec.model.lstm
     act_leaves = list(leaves(spec.action_space))
@@ -101,7 +101,7 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     graph = tf.Graph()
     with graph.as_default(), tf.device(device):
         tf1.set_random_seed(spec.seed)
-        rm = build_recurrent_model(specs, spec.model, num_outputs, prev_size)
+        rm = build_recurrent_model(specs, spec.model, num_outputs, prev_size, seed=spec.seed)
         explore = tf1.placeholder_with_default(False, (), name="explore")
         is_training = tf1.placeholder_with_default(False, (), name="is_training")
         timestep = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
@@ -121,6 +121,7 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
         logp = tf.identity(logp, name="action_logp")
         actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(actions)]
         state_out = [tf.identity(h, name="state_out_0"), tf.identity(c, name="state_out_1")]
+        deterministic = deterministic_path(dist, dist_inputs, {"state_out_0": state_out[0], "state_out_1": state_out[1]})
 
         # the base model's sequence form on the serving inputs (T = 1): checks the Keras files
         seq_in = [tf.expand_dims(x, 1) for x in step_in]
@@ -141,6 +142,7 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
         state_inputs=ph.state, state_outputs=state_out, seq_lens=ph.seq_lens,
         prev_action=ph.prev_action, prev_reward=ph.prev_reward,
         model=rm.sequence_model, model_io=model_io, raw_actions=raw, sequence_graph=sequence, name=spec.name,
+        deterministic_outputs=deterministic,
         image_inputs=[k for k, s in zip(ph.obs, specs) if s.image],
     )
     if spec.weights is not None:

@@ -130,6 +130,8 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
             problems.add("$.weights", f"expected a file path string, got {weights!r}")
         else:
             weights_path = (base_dir or Path.cwd()) / weights
+            if base_dir is not None and not weights_path.is_file():
+                problems.add("$.weights", f"file not found: {weights_path}")
 
     obs = parse_space(obj["observation_space"], "$.observation_space", problems) if "observation_space" in obj else None
     act = parse_space(obj["action_space"], "$.action_space", problems) if "action_space" in obj else None

@@ -82,6 +82,8 @@ class TFPolicy:
         prev_action, prev_reward: the previous step's action and reward, when the model uses them.
         sequence_graph: the training-time graph over padded sequences (``compute_actions`` runs
             it for recurrent policies); the signature tensors above are the one-step serving graph.
+        deterministic_outputs: the outputs computed on the deterministic path alone (no random
+            ops, no explore switch), keyed like ``outputs``; what ``model_deterministic.onnx`` holds.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class TFPolicy:
         prev_action: tf.Tensor | None = None,
         prev_reward: tf.Tensor | None = None,
         sequence_graph: Any = None,
+        deterministic_outputs: Mapping[str, tf.Tensor] | None = None,
         name: str = "policy",
     ):
         self.observation_space = observation_space
@@ -138,6 +141,7 @@ class TFPolicy:
                 self.inputs[key] = tensor
         self.inputs.update(extra_inputs or {})
         self.sequence_graph = sequence_graph
+        self.deterministic_outputs = dict(deterministic_outputs) if deterministic_outputs else None
 
         actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
         self.outputs: dict[str, tf.Tensor] = {f"actions_{i}": a for i, a in enumerate(actions)}
@@ -200,13 +204,14 @@ class TFPolicy:
             with tf1.name_scope("preprocess"):
                 model_in = [preprocess(leaf, t, s)
                             for leaf, t, s in zip(leaves(spec.observation_space), obs_ph.values(), specs)]
-            model = build_model(specs, spec.model, num_outputs)
+            model = build_model(specs, spec.model, num_outputs, seed=spec.seed)
             dist_inputs = tf.identity(model(model_in if len(model_in) > 1 else model_in[0]), name=ACTION_DIST_INPUTS)
             dist = ActionDistribution(dist_inputs, spec.action_space)
             raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
             raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
             logp = tf.identity(dist.logp(raw), name=ACTION_LOGP)
             actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(dist.postprocess(raw))]
+            deterministic = deterministic_path(dist, dist_inputs)
             init = tf1.global_variables_initializer()
         session = tf1.Session(graph=graph, config=session_config(device))
         session.run(init)
@@ -215,6 +220,7 @@ class TFPolicy:
             observations=obs_ph, sampled_action=actions, action_logp=logp,
             action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
             model=model, model_io=(model_in, [dist_inputs]), raw_actions=raw, name=spec.name,
+            deterministic_outputs=deterministic,
             image_inputs=[k for k, s in zip(obs_ph, specs) if s.image],
         )
         if spec.weights is not None:
@@ -401,6 +407,18 @@ class TFPolicy:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
+
+
+def deterministic_path(dist, dist_inputs: tf.Tensor, extra: Mapping[str, tf.Tensor] | None = None) -> dict[str, tf.Tensor]:
+    """Output tensors of the deterministic path alone: no random ops, no explore switch."""
+    with tf1.name_scope("deterministic"):
+        det = dist.deterministic_sample()
+        logp = dist.logp(det)
+        out = {f"actions_{i}": tf.identity(a) for i, a in enumerate(dist.postprocess(det))}
+        out.update(extra or {})
+        out.update({ACTION_DIST_INPUTS: tf.identity(dist_inputs), ACTION_LOGP: tf.identity(logp),
+                    ACTION_PROB: tf.exp(logp)})
+    return out
 
 
 def unflatten(space: gym.Space, arrays: Sequence[np.ndarray]) -> Any:

@@ -52,6 +52,21 @@ def build_signature(policy) -> Signature:
     return Signature(dict(policy.inputs), dict(policy.outputs), Contract(inputs=inputs, outputs=outputs))
 
 
+def build_deterministic_signature(policy) -> Signature | None:
+    """The deterministic action path alone: the required inputs, and the ``actions_i`` and
+    ``state_out_i`` outputs, under the same keys; ``None`` when the policy does not expose
+    deterministic outputs. No explore switch, no random ops, nothing a controller does not need."""
+    if not policy.deterministic_outputs:
+        return None
+    full = build_signature(policy)
+    inputs = {k: t for k, t in policy.inputs.items() if k not in policy.defaults}
+    outputs = {k: policy.deterministic_outputs[k] for k in full.outputs
+               if k in policy.deterministic_outputs and k.startswith(("actions_", "state_out_"))}
+    contract = Contract(inputs=tuple(s for s in full.contract.inputs if s.key in inputs),
+                        outputs=tuple(s for s in full.contract.outputs if s.key in outputs))
+    return Signature(inputs, outputs, contract)
+
+
 def _spec(key: str, tensor: tf.Tensor, default: np.ndarray | None) -> TensorSpec:
     shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else ()
     return TensorSpec(

@@ -16,7 +16,7 @@ FIXTURES_DIR = ROOT / "fixtures"
 FIXTURES = ["cartpole_mlp", "pendulum_mlp", "dict_image_vector", "image_uint8", "tuple_action",
             "multibinary_action", "discrete_obs", "cartpole_lstm"]
 RECURRENT = ["cartpole_lstm"]
-FORMATS = ["saved_model", "frozen_graph", "onnx", "keras"]
+FORMATS = ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras"]
 
 
 def pytest_configure(config):

@@ -23,9 +23,11 @@ LAYOUT = {
     "saved_model": ["saved_model/saved_model.pb", "saved_model/variables"],
     "frozen_graph": ["frozen_graph.pb"],
     "onnx": ["model.onnx"],
+    "onnx_deterministic": ["model_deterministic.onnx"],
     "keras": ["keras/saved_model/saved_model.pb", "keras/base_model.keras", "keras/base_model.h5"],
 }
 PARITY_FORMATS = {"saved_model": ["saved_model"], "frozen_graph": ["frozen_graph"], "onnx": ["onnx"],
+                  "onnx_deterministic": ["onnx_deterministic"],
                   "keras": ["keras_saved_model", "keras_v3", "keras_h5"]}
 
 
@@ -43,6 +45,9 @@ def test_format_written_and_matches_the_session(name, fmt, exports):
     records = [r for r in result.parity.records if r.format in PARITY_FORMATS[fmt]]
     if fmt == "keras":
         expected_keys = output_keys(len(result.formats["keras"].details["outputs"]))
+    elif fmt == "onnx_deterministic":
+        expected_keys = [o["key"] for o in result.manifest["contract"]["outputs"]
+                         if o["key"].startswith(("actions_", "state_out_"))]
     else:
         expected_keys = [o["key"] for o in result.manifest["contract"]["outputs"]]
     assert sorted({r.key for r in records}) == sorted(expected_keys)
@@ -99,6 +104,29 @@ def test_golden_files_reproduce_the_session(name, exports, policies):
         got = policies(name).run(feeds)
         for key, value in got.items():
             np.testing.assert_array_equal(value, golden_out[key][:n])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_deterministic_model_is_the_action_path_alone(name, exports):
+    """No random ops, no explore switch; runs on ONNX's reference evaluator, which has no random ops."""
+    from onnx.reference import ReferenceEvaluator
+
+    result, out = exports(name)
+    model = onnx.load(out / "model_deterministic.onnx")
+    ops = {n.op_type for n in model.graph.node}
+    assert not ops & {"Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "If"}
+    contract = result.manifest["contract"]
+    assert [i.name for i in model.graph.input] == [i["key"] for i in contract["inputs"] if i["required"]]
+    assert [o.name for o in model.graph.output] == [o["key"] for o in contract["outputs"]
+                                                    if o["key"].startswith(("actions_", "state_out_"))]
+    with np.load(out / "parity" / "inputs.npz") as golden_in, np.load(out / "parity" / "outputs.npz") as golden_out:
+        feeds = {k: golden_in[k][:16] for k in golden_in.files}
+        got = dict(zip([o.name for o in model.graph.output], ReferenceEvaluator(model).run(None, feeds)))
+        for key, value in got.items():
+            if np.issubdtype(value.dtype, np.floating):
+                np.testing.assert_allclose(value, golden_out[key][:16], atol=1e-5)
+            else:
+                np.testing.assert_array_equal(value, golden_out[key][:16])
 
 
 @pytest.mark.parametrize("opset", [13, 15])
@@ -230,7 +258,8 @@ def test_wrapped_session_exports_and_verifies(tmp_path):
                       observations=obs, sampled_action=action, action_logp=logp, action_dist_inputs=logits,
                       explore=explore, extra_fetches={"vf_preds": value})
     result = export_policy(policy, tmp_path / "x", samples=200, device="cpu")
-    assert set(result.formats) == {"saved_model", "frozen_graph", "onnx"}  # no Keras model to write
+    # no Keras model and no deterministic outputs declared: those two formats are skipped
+    assert set(result.formats) == {"saved_model", "frozen_graph", "onnx"}
     assert "vf_preds" in [o["key"] for o in result.manifest["contract"]["outputs"]]
     assert result.parity.passed
     assert verify_export(tmp_path / "x", samples=50, device="cpu").passed

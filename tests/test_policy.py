@@ -212,3 +212,15 @@ def test_wrapping_a_hand_built_session():
     assert list(policy.get_weights()) == ["w"]
     with pytest.raises(InputError, match="no explore input"):
         policy.compute_actions(x, explore=True)
+
+
+@pytest.mark.parametrize("name", ["pendulum_mlp", "dict_image_vector", "cartpole_lstm"])
+def test_weights_from_a_seed_are_reproducible(name):
+    spec = dataclasses.replace(load_spec(FIXTURES_DIR / name), weights=None)
+    first, second = TFPolicy.from_spec(spec), TFPolicy.from_spec(spec)
+    other = TFPolicy.from_spec(dataclasses.replace(spec, seed=spec.seed + 1))
+    a, b, c = first.get_weights(), second.get_weights(), other.get_weights()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], c[k]) for k in a if k.endswith("kernel"))
+    for p in (first, second, other):
+        p.close()

@@ -39,7 +39,7 @@ def test_stepped_parity_200_steps_without_drift(name, exports):
     result, _ = exports(name)
     stepped = [r for r in result.parity.records if "stepped" in r.format]
     formats = {r.format for r in stepped}
-    assert formats == {f"{f} (stepped 200{s})" for f in ("saved_model", "frozen_graph", "onnx")
+    assert formats == {f"{f} (stepped 200{s})" for f in ("saved_model", "frozen_graph", "onnx", "onnx_deterministic")
                        for s in ("", " vs sequences")}
     for r in stepped:
         assert r.shape[0] in (200, 10)  # per step, or per chunk end for states vs the training graph

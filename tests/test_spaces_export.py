@@ -189,3 +189,22 @@ def test_random_spaces_export_with_parity(obs, act, hiddens, activation, seed, t
     inputs, outputs = onnx_io(out / "model.onnx")
     assert [k for k in inputs if k.startswith("observations")] == [leaf.key("observations") for leaf in leaves(obs)]
     assert [k for k in outputs if k.startswith("actions_")] == [f"actions_{i}" for i in range(len(list(leaves(act))))]
+
+
+def test_two_sample_tests_agree_with_scipy_stats():
+    from scipy import stats
+
+    from exporter.exploration import chi_square_homogeneity, ks_two_sample
+
+    rng = np.random.default_rng(0)
+    for k in (2, 3, 6):
+        a, b = rng.integers(0, k, 2500), rng.integers(0, k, 2500)
+        b[:80] = 0  # a real difference, so p-values are not all near 1
+        table = np.array([[np.sum(a == c) for c in range(k)], [np.sum(b == c) for c in range(k)]])
+        expected = stats.chi2_contingency(table)
+        assert chi_square_homogeneity(a, b) == pytest.approx((expected.statistic, expected.pvalue), rel=1e-9)
+    a, b = rng.normal(size=3000), rng.normal(0.08, 1.0, size=3000)
+    expected = stats.ks_2samp(a, b, method="asymp")
+    statistic, p_value = ks_two_sample(a, b)
+    assert statistic == pytest.approx(expected.statistic, abs=1e-12)
+    assert p_value == pytest.approx(expected.pvalue, rel=0.05)  # limiting vs finite-n distribution

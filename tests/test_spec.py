@@ -123,6 +123,10 @@ def test_missing_spec_file(tmp_path):
 
 def test_weights_path_resolves_relative_to_the_file(tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(dict(BASE, weights="w/weights.h5")))
+    with pytest.raises(SpecError, match=r"\$\.weights: file not found"):
+        load_spec(tmp_path)  # checked before any TensorFlow work
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "weights.h5").write_bytes(b"")
     assert load_spec(tmp_path).weights == tmp_path / "w" / "weights.h5"
 
 

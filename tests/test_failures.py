@@ -1,0 +1,240 @@
+"""Bad input gets a clear error; faults leave no damage. Each case is its own test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FIXTURES_DIR
+from exporter import api, export_policy, export_spec
+from exporter.staging import staged_directory
+from policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
+from policy.h5io import read_h5_weights, write_h5_weights
+from test_cli import cli
+
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def spec_copy(tmp_path: Path, name: str = "cartpole_mlp") -> Path:
+    target = tmp_path / "spec"
+    shutil.copytree(FIXTURES_DIR / name, target)
+    return target
+
+
+def test_missing_weights_file_is_exit_2(tmp_path):
+    spec = spec_copy(tmp_path)
+    (spec / "weights.h5").unlink()
+    proc = cli("export", str(spec), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "$.weights: file not found" in proc.stderr and "weights.h5" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_h5_is_a_weights_error(tmp_path):
+    data = (FIXTURES_DIR / "cartpole_mlp" / "weights.h5").read_bytes()
+    path = tmp_path / "w.h5"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match="not a readable HDF5"):
+        read_h5_weights(path)
+
+
+def test_renamed_layer_names_both_sides(tmp_path, policies):
+    weights = read_h5_weights(FIXTURES_DIR / "cartpole_mlp" / "weights.h5")
+    weights["dense_9/kernel"] = weights.pop("fc_2/kernel")
+    bad = write_h5_weights(tmp_path / "renamed.h5", weights)
+    with pytest.raises(WeightsError) as info:
+        policies("cartpole_mlp").import_model_from_h5(bad)
+    assert "missing weight 'fc_2/kernel'" in str(info.value) and "unexpected weight 'dense_9/kernel'" in str(info.value)
+
+
+def test_output_under_a_file_is_exit_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(blocker / "out"))
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_not_writable_directory_is_refused(tmp_path, monkeypatch):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    with pytest.raises(ExportError, match="is not writable"):
+        with staged_directory(tmp_path / "out"):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_non_export_directory_is_never_replaced(tmp_path):
+    precious = tmp_path / "data"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("years of work")
+    with pytest.raises(ExportError, match="holds no export"):
+        with staged_directory(precious, overwrite=True):
+            pass
+    assert (precious / "thesis.txt").read_text() == "years of work"
+
+
+def test_full_disk_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
+    def full_disk(ctx, target):
+        target.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(api._WRITERS, "onnx", (full_disk, "model.onnx"))
+    with pytest.raises(OSError, match="No space left"):
+        export_policy(policies("cartpole_mlp"), tmp_path / "out", samples=32, explore_samples=0, device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupt_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
+    def interrupted(ctx, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(api._WRITERS, "frozen_graph", (interrupted, "frozen_graph.pb"))
+    with pytest.raises(KeyboardInterrupt):
+        export_policy(policies("cartpole_mlp"), tmp_path / "out", samples=32, explore_samples=0, device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.partial-*/saved_model")) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()  # never a half-written export at the target
+    assert list(tmp_path.glob(".out.partial-*"))  # the killed process could not clean up
+    result = export_spec(FIXTURES_DIR / "cartpole_mlp", out, formats=["onnx"], samples=32, explore_samples=0,
+                         device="cpu")
+    assert result.parity.passed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # stale partial and lock are gone
+
+
+def test_keras_file_with_a_lambda_layer_is_refused(tmp_path):
+    import tf_keras as keras
+
+    from exporter.keras_model import KerasRunner
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Lambda(lambda x: x * 2)(inputs))
+    path = tmp_path / "evil.h5"
+    model.save(path, save_format="h5")
+    with pytest.raises(ExportError, match="'Lambda' is not a built-in layer"):
+        KerasRunner(path)
+
+
+def test_verify_checks_a_swapped_onnx_file_before_loading(tmp_path, exports):
+    _, out = exports("cartpole_mlp")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "model.onnx").write_bytes(b"\x08\x07garbage that is not onnx")
+    proc = cli("verify", str(copy), "--report-json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "not a valid ONNX model" in report["errors"]["onnx"]
+    assert "changed file model.onnx (sha256 differs from the manifest)" in report["file_problems"]
+
+
+def test_unexpected_errors_point_to_debug(tmp_path, monkeypatch):
+    from exporter import cli as cli_module
+
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("simulated bug")
+
+    monkeypatch.setattr(cli_module, "_cmd_verify", boom)
+    assert cli_module.main(["verify", str(tmp_path)]) == 3
+
+
+# ------------------------------------------------------------------ fuzzing
+
+
+def _mutate(obj, path: list, value):
+    """``obj`` with the item at ``path`` (keys, or indexes into lists and sorted dict keys) set to ``value``."""
+    if not path:
+        return value
+    head, *rest = path
+    if isinstance(obj, dict):
+        key = head if isinstance(head, str) else (sorted(obj)[head % len(obj)] if obj else "k")
+        return {**obj, key: _mutate(obj.get(key), rest, value)}
+    if isinstance(obj, list) and obj:
+        i = head % len(obj) if isinstance(head, int) else 0
+        return [*obj[:i], _mutate(obj[i], rest, value), *obj[i + 1:]]
+    return value
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=8)
+KEYS = st.sampled_from(["format_version", "name", "observation_space", "action_space", "model", "weights", "seed",
+                        "type", "low", "high", "shape", "dtype", "n", "nvec", "spaces", "hiddens", "activation",
+                        "conv_filters", "lstm", "cell_size", "start", "extra"])
+
+
+@FUZZ
+@given(path=st.lists(KEYS | st.integers(0, 3), min_size=1, max_size=4), value=JSON_VALUES)
+def test_fuzzed_spec_files_give_only_package_errors(path, value, tmp_path_factory):
+    base = json.loads((FIXTURES_DIR / "tuple_action" / "policy.json").read_text())
+    spec_dir = tmp_path_factory.mktemp("fuzz")
+    shutil.copy(FIXTURES_DIR / "tuple_action" / "weights.h5", spec_dir / "weights.h5")
+    (spec_dir / "policy.json").write_text(json.dumps(_mutate(base, path, value)))
+    try:
+        load_spec(spec_dir)
+    except PolicyExportError:
+        pass  # the package's own error, with a message
+
+
+@FUZZ
+@given(text=st.text(max_size=200))
+def test_fuzzed_spec_text_gives_only_package_errors(text, tmp_path_factory):
+    spec_dir = tmp_path_factory.mktemp("fuzz")
+    (spec_dir / "policy.json").write_text(text)
+    with pytest.raises(SpecError):
+        load_spec(spec_dir)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_h5_files_give_only_weights_errors_and_change_nothing(data, policies, tmp_path_factory):
+    policy = policies("cartpole_mlp")
+    before = policy.get_weights()
+    raw = bytearray((FIXTURES_DIR / "cartpole_mlp" / "weights.h5").read_bytes())
+    how = data.draw(st.sampled_from(["flip", "truncate", "attrs"]))
+    path = tmp_path_factory.mktemp("fuzz") / "w.h5"
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 20))):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] ^= data.draw(st.integers(1, 255))
+        path.write_bytes(bytes(raw))
+    elif how == "truncate":
+        path.write_bytes(bytes(raw[: data.draw(st.integers(0, len(raw) - 1))]))
+    else:
+        path.write_bytes(bytes(raw))
+        with h5py.File(path, "a") as f:
+            names = [n.decode() for n in f.attrs["layer_names"]]
+            victim = data.draw(st.sampled_from(names))
+            f[victim].attrs["weight_names"] = np.array(data.draw(st.lists(st.text(
+                alphabet="abc/:0_", min_size=1, max_size=8), max_size=3)), dtype="S")
+    try:
+        policy.import_model_from_h5(path)
+    except WeightsError:
+        pass
+    after = policy.get_weights()
+    # a flipped byte inside a weight array can still be a valid file: then the import is whole
+    changed = [k for k in before if not np.array_equal(before[k], after[k])]
+    if changed:
+        assert how == "flip"
+        policy.set_weights(before)
