@@ -219,7 +219,10 @@ def _cmd_verify(args, console) -> int:
 
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances)
     _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
-    console.print(parity_table(result.parity, f"verify {args.out}: golden outputs ({result.parity.samples} samples)"))
+    devices = result.parity.devices
+    console.print(parity_table(result.parity, f"verify {args.out}: golden outputs ({result.parity.samples} samples; "
+                                              f"TF {devices.get('tf_device')}, ONNX Runtime "
+                                              f"{', '.join(devices.get('onnxruntime_providers_used', []))})"))
     for problem in result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]:
         console.print(f"[bold red]{problem}[/bold red]", soft_wrap=True)
     if not result.passed:

@@ -18,9 +18,10 @@ SCRIPT = Path(sys.executable).parent / "policy-export"
 NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback", "oneDNN")
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "exporter"]
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
+    env.update(env_extra or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
@@ -41,11 +42,16 @@ def exported(tmp_path_factory) -> Path:
     return out
 
 
-def test_export_then_verify(exported):
-    proc = cli("verify", str(exported), "--samples", "100")
+def test_export_then_verify(exported, tmp_path):
+    summary = tmp_path / "summary.md"
+    summary.write_text("# earlier step\n")
+    proc = cli("verify", str(exported), "--samples", "100", env_extra={"GITHUB_STEP_SUMMARY": str(summary)})
     assert proc.returncode == 0, proc.stderr
     assert_quiet(proc.stderr)
-    assert "verified" in proc.stdout
+    assert "verified" in proc.stdout and "CPUExecutionProvider" in proc.stdout
+    text = summary.read_text()
+    assert text.startswith("# earlier step\n### verify: passed")  # appended, not overwritten
+    assert "| onnx | actions_0 | 0 | 0 | exact | pass |" in text
 
 
 def test_export_reports(exported):

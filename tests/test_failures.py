@@ -106,6 +106,7 @@ def test_interrupt_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),

@@ -97,6 +97,7 @@ def test_convert_rllib_style_saved_model(recurrent, tmp_path):
     assert ("default_policy/Placeholder:0" in contract.input_keys) == recurrent
 
 
+@pytest.mark.slow
 def test_convert_state_pairs_given_explicitly(tmp_path):
     """Names whose natural order would pair h with c: the pairs are given on the command line."""
     src = rllib_style_saved_model(tmp_path / "rllib", True, out_names=("lstm/state_h", "lstm/state_c"))
@@ -149,6 +150,7 @@ def test_diff_classifies_each_change(new, breaking, fragment):
         assert any(fragment in c.what for c in result.changes), result.changes
 
 
+@pytest.mark.slow
 def test_deployment_pipeline(tmp_path, policies, exports):
     """Export, verify, tamper, diff against changed policies, inspect, with JUnit CI can read."""
     _, v1 = exports("cartpole_mlp")

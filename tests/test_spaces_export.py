@@ -171,6 +171,7 @@ def action_leaf():
     )
 
 
+@pytest.mark.slow
 @given(obs=nested(leaf_spaces(allow_image=True)), act=nested(action_leaf()),
        hiddens=st.lists(st.integers(1, 24), min_size=1, max_size=3),
        activation=st.sampled_from(["tanh", "relu", "elu", "swish", "linear"]), seed=st.integers(0, 1000))
