@@ -68,22 +68,31 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
 
 
 def check_config_safe(config: Any, source: str) -> None:
-    """Refuse a model config with Lambda or non-built-in layers (they would run code from the file)."""
+    """Refuse a model config with Lambda or non-built-in layers (they would run code from the file).
+
+    Walks the layer lists of the model and of nested models and wrappers (TimeDistributed...).
+    """
     import tf_keras as keras
 
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            cls = node.get("class_name")
-            if isinstance(cls, str) and "config" in node and ("layers" in node.get("config", {}) or "name" in node.get("config", {})):
-                if cls == "Lambda" or not (hasattr(keras.layers, cls) or cls in ("Functional", "Model", "Sequential")):
-                    raise ExportError(f"{source}: layer class {cls!r} is not a built-in layer; refusing to load it")
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
+    containers = ("Functional", "Model", "Sequential")
 
-    walk(config)
+    def check_layer(layer: Any) -> None:
+        if not isinstance(layer, dict):
+            raise ExportError(f"{source}: malformed model config (a layer is {type(layer).__name__})")
+        cls = layer.get("class_name")
+        if not isinstance(cls, str) or cls == "Lambda" or not (cls in containers or hasattr(keras.layers, cls)):
+            raise ExportError(f"{source}: layer class {cls!r} is not a built-in layer; refusing to load it")
+        inner = layer.get("config") or {}
+        if isinstance(inner, dict):
+            for sub in inner.get("layers", []) or []:
+                check_layer(sub)
+            if isinstance(inner.get("layer"), dict):  # wrappers
+                check_layer(inner["layer"])
+
+    if isinstance(config, dict) and "class_name" in config:
+        check_layer(config)
+    else:
+        raise ExportError(f"{source}: malformed model config")
 
 
 def _read_config(path: Path) -> Any:

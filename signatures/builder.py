@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +23,7 @@ class Signature:
     outputs: dict[str, tf.Tensor]
     contract: Contract
 
-    def signature_def_map(self) -> dict[str, tf1.MetaGraphDef]:
+    def signature_def_map(self) -> dict[str, Any]:
         """``{"serving_default": SignatureDef}`` (method Predict) with the contract's keys."""
         build = tf1.saved_model.utils.build_tensor_info
         sig = tf1.saved_model.signature_def_utils.build_signature_def(
