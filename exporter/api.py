@@ -237,15 +237,21 @@ def verify_export(
     contract = Contract.from_json(doc["contract"])
     report = ParityReport("golden_outputs", 0, seed, _device_info(plan))
     golden_dir = out / PARITY_DIR
-    if (golden_dir / "inputs.npz").is_file() and (golden_dir / "outputs.npz").is_file():
+    for fmt in doc["formats"]:
+        if fmt not in _WRITERS:
+            report.errors[fmt] = f"unknown format {fmt!r} in the manifest"
+        elif not (out / _WRITERS[fmt][1]).exists():
+            report.errors[fmt] = f"{_WRITERS[fmt][1]} is missing"
+    formats = [f for f in doc["formats"] if f not in report.errors]
+    try:
         golden_in = _load_npz(golden_dir / "inputs.npz")
         golden_out = _load_npz(golden_dir / "outputs.npz")
         report.samples = len(next(iter(golden_in.values())))
-        formats = [f for f in doc["formats"] if (out / _WRITERS[f][1]).exists()]
+    except (ExportError, StopIteration) as e:
+        report.errors["parity"] = f"golden files cannot be used: {e}"
+    else:
         _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
                        contract, tolerances, batch_size, report, collect_errors=True, formats_info=doc["formats"])
-    else:
-        report.errors["parity"] = "golden files parity/inputs.npz and parity/outputs.npz are missing"
     if samples > 0 and "saved_model" in doc["formats"] and not report.errors:
         _check_fresh_samples(out, doc, contract, plan, samples, seed, tolerances, batch_size, report)
     return VerifyResult(out, problems, report)
@@ -361,15 +367,21 @@ def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str
     keras_outputs = (formats_info or {}).get("keras", {}).get("outputs")
     for fmt in formats:
         try:
-            if fmt == "keras":
-                _check_keras(root, golden_out, tolerances, batch_size, report, keras_outputs)
-                continue
-            runner = _load_runner(fmt, root, tensor_names, plan)
-        except ExportError as e:
+            _check_format(fmt, root, tensor_names, plan, golden_in, golden_out, keys, keras_outputs, tolerances,
+                          batch_size, report, explore, stepped, formats_info)
+        except Exception as e:  # in verify, whatever breaks a format is that format's failure
             if not collect_errors:
                 raise
-            report.errors[fmt] = str(e)
-            continue
+            report.errors[fmt] = f"{type(e).__name__}: {e}" if not isinstance(e, ExportError) else str(e)
+
+
+def _check_format(fmt, root, tensor_names, plan, golden_in, golden_out, keys, keras_outputs, tolerances,
+                  batch_size, report, explore, stepped, formats_info) -> None:
+    if fmt == "keras":
+        _check_keras(root, golden_out, tolerances, batch_size, report, keras_outputs)
+        return
+    runner = _load_runner(fmt, root, tensor_names, plan)
+    try:
         if fmt == "onnx":
             report.devices["onnxruntime_providers_used"] = list(runner.providers)
         got = run_batched(runner, golden_in, batch_size)
@@ -378,6 +390,7 @@ def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str
             explore.check(fmt, runner, tolerances, report)
         if stepped is not None:
             stepped.check(fmt, runner, tolerances, report, _output_keys(fmt, keys, formats_info))
+    finally:
         getattr(runner, "close", lambda: None)()
 
 
@@ -444,7 +457,7 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
+    except Exception as e:  # zipfile, OSError, ValueError: any of them means "not usable"
         raise ExportError(f"{path} is not a readable .npz file: {e}") from e
 
 

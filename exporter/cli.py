@@ -134,8 +134,6 @@ def _tolerances(args, base=None):
     tol = base or Tolerances()
     default = Tolerance(args.atol if args.atol is not None else tol.default.atol,
                         args.rtol if args.rtol is not None else tol.default.rtol)
-    if default.atol < 0 or default.rtol < 0:
-        raise InputError("--atol and --rtol must be non-negative")
     per_output = dict(tol.per_output)
     for item in args.tolerance:
         key, sep, value = item.partition("=")
@@ -145,7 +143,26 @@ def _tolerances(args, base=None):
     return Tolerances(default, per_output)
 
 
+def _check_report_paths(args) -> None:
+    """Report files must be writable where asked: checked before any work is done."""
+    from policy.errors import InputError
+
+    for flag in ("report_json", "junit"):
+        target = getattr(args, flag, None)
+        if target and not Path(target).absolute().parent.is_dir():
+            raise InputError(f"--{flag.replace('_', '-')} {target}: directory {Path(target).absolute().parent} does not exist")
+
+
 def _emit_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
+    try:
+        _write_reports(args, report, suite, file_problems, extra)
+    except OSError as e:
+        from policy.errors import ExportError
+
+        raise ExportError(f"cannot write a report: {e}") from e
+
+
+def _write_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
     from exporter import reports
 
     if args.report_json:
@@ -180,6 +197,9 @@ def _cmd_export(args, console) -> int:
         raise InputError(f"--samples must be at least 1, got {args.samples}")
     if args.explore_samples < 0:
         raise InputError(f"--explore-samples must be 0 or more, got {args.explore_samples}")
+    if not 0 <= args.seed < 2**31:
+        raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
+    _check_report_paths(args)
     tolerances = _tolerances(args)
     load_spec(args.spec)
     check_target(Path(args.out).absolute(), args.overwrite)
@@ -210,8 +230,13 @@ def _cmd_verify(args, console) -> int:
     from exporter.manifest import read_manifest
     from exporter.parity import Tolerances
 
+    from policy.errors import InputError
+
     doc = read_manifest(Path(args.out))
     tolerances = _tolerances(args, Tolerances.from_json(doc["tolerances"]))
+    if not 0 <= args.seed < 2**31 or args.samples < 0:
+        raise InputError("--seed must be in [0, 2**31) and --samples 0 or more")
+    _check_report_paths(args)
     _heavy_imports(args)
 
     from exporter.api import verify_export
@@ -319,6 +344,8 @@ def _cmd_rollout(args, console) -> int:
     read_manifest(Path(args.out))
     if args.episodes < 1:
         raise InputError(f"--episodes must be at least 1, got {args.episodes}")
+    if not 0 <= args.seed < 2**31:
+        raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
     _heavy_imports(args)
     from exporter.reports import write_json
     from exporter.rollout import rollout
@@ -333,7 +360,10 @@ def _cmd_rollout(args, console) -> int:
     console.print(table)
     console.print(f"mean return: TF {report.mean_return('tf'):.1f}, ONNX {report.mean_return('onnx'):.1f}")
     if args.report_json:
-        write_json(args.report_json, report.to_json())
+        try:
+            write_json(args.report_json, report.to_json())
+        except OSError as e:
+            raise InputError(f"--report-json {args.report_json}: {e.strerror}") from e
     if not report.passed:
         print(f"{PROG}: rollout failed: the runtimes chose different actions", file=sys.stderr)
         return EXIT_CHECK_FAILED

@@ -67,32 +67,36 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
                         {"files": FORMATS, "inputs": names, "outputs": list(model.output_names)})
 
 
-def check_config_safe(config: Any, source: str) -> None:
-    """Refuse a model config with Lambda or non-built-in layers (they would run code from the file).
+_SAFE_EXTRA = ("Functional", "Model", "Sequential", "TFOpLambda", "SlicingOpLambda", "Policy", "DTypePolicy")
 
-    Walks the layer lists of the model and of nested models and wrappers (TimeDistributed...).
+
+def check_config_safe(config: Any, source: str) -> None:
+    """Refuse a model config naming a class that is not built into tf-keras, or ``Lambda``.
+
+    Every object in the config (layers, nested models, wrappers, cells, initializers,
+    regularizers, constraints...) is checked. ``TFOpLambda``/``SlicingOpLambda`` only name a
+    TF API symbol; ``Lambda`` would deserialise and run code from the file.
     """
     import tf_keras as keras
 
-    containers = ("Functional", "Model", "Sequential")
+    modules = (keras.layers, keras.initializers, keras.regularizers, keras.constraints, keras.activations)
 
-    def check_layer(layer: Any) -> None:
-        if not isinstance(layer, dict):
-            raise ExportError(f"{source}: malformed model config (a layer is {type(layer).__name__})")
-        cls = layer.get("class_name")
-        if not isinstance(cls, str) or cls == "Lambda" or not (cls in containers or hasattr(keras.layers, cls)):
-            raise ExportError(f"{source}: layer class {cls!r} is not a built-in layer; refusing to load it")
-        inner = layer.get("config") or {}
-        if isinstance(inner, dict):
-            for sub in inner.get("layers", []) or []:
-                check_layer(sub)
-            if isinstance(inner.get("layer"), dict):  # wrappers
-                check_layer(inner["layer"])
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            cls = node.get("class_name")
+            if cls is not None and "config" in node:
+                known = isinstance(cls, str) and (cls in _SAFE_EXTRA or any(hasattr(m, cls) for m in modules))
+                if not known or cls == "Lambda":
+                    raise ExportError(f"{source}: class {cls!r} is not built into tf-keras; refusing to load it")
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
 
-    if isinstance(config, dict) and "class_name" in config:
-        check_layer(config)
-    else:
+    if not (isinstance(config, dict) and "class_name" in config):
         raise ExportError(f"{source}: malformed model config")
+    walk(config)
 
 
 def _read_config(path: Path) -> Any:

@@ -32,6 +32,11 @@ class Tolerance:
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
 
+    def __post_init__(self) -> None:
+        for name, value in (("atol", self.atol), ("rtol", self.rtol)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
+
     @classmethod
     def parse(cls, text: str) -> "Tolerance":
         """``"ATOL"`` or ``"ATOL:RTOL"``."""

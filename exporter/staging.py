@@ -7,7 +7,8 @@ a lock file makes a second export to the same path fail instead of racing.
 from __future__ import annotations
 
 import contextlib
-import errno
+import fcntl
+import glob
 import os
 import shutil
 import tempfile
@@ -67,6 +68,9 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
         try:
             yield stage
             check_target(out, overwrite)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(stage, 0o777 & ~umask)  # mkdtemp made it private
             _replace(stage, out)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
@@ -74,8 +78,18 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
 
 
 def _remove_stale(out: Path) -> None:
-    """Remove what a killed export left beside ``out`` (its lock is ours now, so nobody else is writing)."""
-    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*"):
+    """Clean up what a killed export left beside ``out`` (the lock is ours, so nobody else is writing).
+
+    An export killed between its two renames leaves the previous export as ``.<name>.old-*`` and
+    nothing at ``out``: that export is put back first.
+    """
+    name = glob.escape(out.name)
+    if not out.exists():
+        for old in sorted(out.parent.glob(f".{name}.old-*")):
+            if (old / MANIFEST).is_file():
+                os.rename(old, out)
+                break
+    for pattern in (f".{name}.partial-*", f".{name}.old-*"):
         for stale in out.parent.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -97,36 +111,36 @@ def _replace(stage: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def _lock(out: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside ``out``.
+
+    The kernel releases it when its holder dies, so a killed export never leaves a stale lock;
+    the file is unlinked while still locked, and a locker that finds the path re-pointed at
+    another file retries.
+    """
     lock = out.parent / f".{out.name}.lock"
-    for _ in range(2):
+    for _ in range(100):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            break
-        except FileExistsError:
-            if _holder_alive(lock):
-                raise ExportBusyError(f"another export to {out} is in progress (lock {lock})") from None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as e:
             raise ExportError(f"cannot create lock file {lock}: {e.strerror}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ExportBusyError(f"another export to {out} is in progress (lock {lock})") from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the file we locked was unlinked by its previous holder: try again
     else:
-        raise ExportBusyError(f"another export to {out} is in progress (lock {lock})")
+        raise ExportBusyError(f"could not lock {lock}")
     try:
+        os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
         yield
     finally:
         lock.unlink(missing_ok=True)
-
-
-def _holder_alive(lock: Path) -> bool:
-    try:
-        pid = int(lock.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return True  # being written right now: treat as held
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
+        os.close(fd)

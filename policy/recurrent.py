@@ -189,34 +189,34 @@ def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, 
     graph = policy.sequence_graph
     feeds = policy.observation_feeds(obs)
     rows = len(np.asarray(next(iter(feeds.values()))))
-    seq_lens = np.ones(rows, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
+    seq_lens = np.ones(rows, np.int32) if seq_lens is None else np.asarray(seq_lens)
+    if not np.issubdtype(seq_lens.dtype, np.integer):
+        raise InputError(f"seq_lens must be integers, got {seq_lens.dtype}")
     if seq_lens.ndim != 1 or len(seq_lens) == 0 or rows % len(seq_lens):
         raise InputError(f"{rows} observation rows do not split into {len(seq_lens)} padded sequences")
     if np.any(seq_lens < 0) or np.any(seq_lens > rows // len(seq_lens)):
         raise InputError(f"seq_lens {seq_lens.tolist()} must lie in [0, {rows // len(seq_lens)}] (the padded length)")
     batch = len(seq_lens)
     initial = policy.get_initial_state()
-    state = [np.stack([s] * batch) for s in initial] if state is None else [np.asarray(s, np.float32) for s in state]
-    for i, s in enumerate(state):
-        if s.shape != (batch, *initial[i].shape):
-            raise InputError(f"state[{i}] has shape {list(s.shape)}, expected [{batch}, {initial[i].shape[0]}]")
+    state = [np.stack([s] * batch) for s in initial] if state is None else list(state)
+    if len(state) != len(initial):
+        raise InputError(f"state has {len(state)} arrays, the policy has {len(initial)} (h and c)")
     feeds.update({"state_in_0": state[0], "state_in_1": state[1], "seq_lens": seq_lens,
                   "explore": np.bool_(explore)})
     for key, value in (("prev_action", prev_action), ("prev_reward", prev_reward)):
         if key in graph.inputs:
             if value is None:
                 raise InputError(f"this policy uses {key}; pass it (one row per observation row)")
-            feeds[key] = np.asarray(value)
+            feeds[key] = value
     if timestep is not None:
         feeds["timestep"] = np.int64(timestep)
-    feed_dict = {}
-    for key, value in feeds.items():
-        tensor = graph.inputs[key]
-        arr = np.asarray(value).astype(tensor.dtype.as_numpy_dtype)
-        want = tensor.shape.as_list()
-        if arr.ndim != len(want) or any(d is not None and d != a for d, a in zip(want, arr.shape)):
-            raise InputError(f"{key}: expected shape {want} (None = any), got {list(arr.shape)}")
-        feed_dict[tensor] = arr
+    checked = policy.check_feeds(feeds, graph.inputs, same_batch=False)
+    for key, arr in checked.items():
+        per_row = key.startswith("observations") or key.startswith("prev_")
+        want = rows if per_row else batch if key.startswith("state_in_") else None
+        if want is not None and arr.shape[0] != want:
+            raise InputError(f"{key} has {arr.shape[0]} rows, expected {want}")
+    feed_dict = {graph.inputs[k]: v for k, v in checked.items()}
     fetches = dict(zip(graph.outputs, policy.session.run(list(graph.outputs.values()), feed_dict)))
     actions = [fetches[k] for k in fetches if k.startswith("actions_")]
     return ActionResult(actions=unflatten(policy.action_space, actions),

@@ -8,6 +8,7 @@ e.g. ``("camera",)`` or ``("state", "0")``, from which signature keys are made.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from policy.errors import SpecError, UnsupportedSpaceError
 
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 SPACE_TYPES = ("Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
 BOX_DTYPES = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64")
 
@@ -257,11 +259,17 @@ def _parse_box(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
         idx = tuple(int(i) for i in np.argwhere(low_b > high_b)[0])
         problems.add(path, f"low > high at index {list(idx)} ({low_b[idx]} > {high_b[idx]})")
         return None
-    if np.issubdtype(np.dtype(dtype), np.integer) and not (
-        np.all(np.isfinite(low_b)) and np.all(np.isfinite(high_b))
-    ):
-        problems.add(path, f"an integer Box ({dtype}) needs finite bounds")
-        return None
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        if not (np.all(np.isfinite(low_b)) and np.all(np.isfinite(high_b))):
+            problems.add(path, f"an integer Box ({dtype}) needs finite bounds")
+            return None
+        info = np.iinfo(np.dtype(dtype))
+        if low_b.min() < info.min or high_b.max() > info.max:
+            problems.add(path, f"bounds [{low_b.min():g}, {high_b.max():g}] do not fit {dtype} [{info.min}, {info.max}]")
+            return None
+        if np.any(low_b != np.round(low_b)) or np.any(high_b != np.round(high_b)):
+            problems.add(path, f"an integer Box ({dtype}) needs whole-number bounds")
+            return None
     dt = np.dtype(dtype)
     return gym.spaces.Box(low=low_b.astype(dt), high=high_b.astype(dt), shape=tuple(shape), dtype=dt)
 
@@ -327,8 +335,9 @@ def _parse_dict(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
         return None
     parsed = {}
     for name, sub in subs.items():
-        if not name or "/" in name:
-            problems.add(f"{path}.spaces", f"key {name!r} must be non-empty and contain no '/'")
+        if not _KEY.fullmatch(name):
+            problems.add(f"{path}.spaces", f"key {name!r} must be letters, digits, '_', '.' or '-' "
+                                          "(it becomes part of a tensor name)")
             continue
         parsed[name] = _parse_space(sub, f"{path}.spaces.{name}", problems)
     if any(v is None for v in parsed.values()) or len(parsed) != len(subs):

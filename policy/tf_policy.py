@@ -245,18 +245,25 @@ class TFPolicy:
         values = self.session.run([self.outputs[k] for k in outputs], feed_dict)
         return dict(zip(outputs, values))
 
-    def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Validate and cast ``feeds`` to the input dtypes. Raises :class:`InputError`."""
-        unknown = sorted(set(feeds) - set(self.inputs))
+    def check_feeds(self, feeds: Mapping[str, Any], inputs: Mapping[str, tf.Tensor] | None = None,
+                    same_batch: bool = True) -> dict[str, np.ndarray]:
+        """Validate and cast ``feeds`` to the input dtypes (of ``inputs``, default the signature's).
+
+        Raises:
+            InputError: an unknown or missing input, a dtype that cannot be cast safely, a wrong
+                shape, or (with ``same_batch``) inputs of different batch sizes.
+        """
+        inputs = self.inputs if inputs is None else inputs
+        unknown = sorted(set(feeds) - set(inputs))
         if unknown:
-            raise InputError(f"unknown input(s) {unknown}; the policy takes {list(self.inputs)}")
-        missing = [k for k in self.inputs if k not in feeds and k not in self.defaults]
+            raise InputError(f"unknown input(s) {unknown}; the policy takes {list(inputs)}")
+        missing = [k for k, t in inputs.items() if k not in feeds and t.op.type != "PlaceholderWithDefault"]
         if missing:
             raise InputError(f"missing required input(s) {missing}")
         out = {}
         batch = None
         for key, value in feeds.items():
-            tensor = self.inputs[key]
+            tensor = inputs[key]
             arr = np.asarray(value)
             want = tensor.dtype.as_numpy_dtype
             if arr.dtype != want:
@@ -270,7 +277,7 @@ class TFPolicy:
                 )
                 if not ok:
                     raise InputError(f"input {key!r}: expected shape {_fmt_shape(shape.as_list())}, got {list(arr.shape)}")
-                if shape.rank and shape.as_list()[0] is None:
+                if same_batch and shape.rank and shape.as_list()[0] is None:
                     if batch is not None and arr.shape[0] != batch:
                         raise InputError(f"input {key!r}: batch size {arr.shape[0]} differs from {batch}")
                     batch = arr.shape[0]

@@ -133,7 +133,7 @@ def test_keras_file_with_a_lambda_layer_is_refused(tmp_path):
     model = keras.Model(inputs, keras.layers.Lambda(lambda x: x * 2)(inputs))
     path = tmp_path / "evil.h5"
     model.save(path, save_format="h5")
-    with pytest.raises(ExportError, match="'Lambda' is not a built-in layer"):
+    with pytest.raises(ExportError, match="'Lambda' is not built into tf-keras"):
         KerasRunner(path)
 
 
@@ -239,3 +239,118 @@ def test_fuzzed_h5_files_give_only_weights_errors_and_change_nothing(data, polic
     if changed:
         assert how == "flip"
         policy.set_weights(before)
+
+
+# ------------------------------------------------------------------ regressions found in review
+
+
+def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
+    (tmp_path / ".out.lock").write_text("")  # left empty by a kill between create and write
+    with staged_directory(tmp_path / "out") as stage:
+        (stage / "manifest.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_glob_characters_in_the_name_touch_no_other_export(tmp_path):
+    other = tmp_path / ".run1.partial-abc"
+    other.mkdir()
+    with staged_directory(tmp_path / "run[1]") as stage:
+        (stage / "manifest.json").write_text("{}")
+    assert other.is_dir()
+
+
+def test_an_export_killed_between_its_renames_gets_its_old_export_back(tmp_path):
+    old = tmp_path / ".out.old-xyz"
+    old.mkdir()
+    (old / "manifest.json").write_text('{"old": true}')
+    with pytest.raises(ExportError):  # no --overwrite: the restored export stays
+        with staged_directory(tmp_path / "out") as stage:
+            (stage / "manifest.json").write_text("{}")
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == {"old": True}
+
+
+def test_export_directory_mode_follows_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with staged_directory(tmp_path / "out") as stage:
+            (stage / "manifest.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--atol", "nan"], "atol must be a finite number"),
+    (["--rtol", "-1"], "rtol must be a finite number"),
+    (["--seed", "-1"], "--seed must be in"),
+    (["--junit", "/nonexistent/dir/j.xml"], "does not exist"),
+])
+def test_more_bad_cli_input_is_exit_2(args, fragment, tmp_path):
+    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("space, fragment", [
+    ({"type": "Box", "low": -1, "high": 255, "shape": [2], "dtype": "uint8"}, "do not fit uint8"),
+    ({"type": "Box", "low": 0, "high": 2.5, "shape": [2], "dtype": "int32"}, "whole-number bounds"),
+    ({"type": "Dict", "spaces": {"a b": {"type": "Discrete", "n": 2}}}, "key 'a b'"),
+])
+def test_spaces_that_would_be_mangled_are_refused(space, fragment):
+    from policy import spec_from_json
+
+    obj = {"format_version": 1, "name": "x", "observation_space": space, "action_space": {"type": "Discrete", "n": 2},
+           "model": {"hiddens": [4]}}
+    with pytest.raises(SpecError, match=fragment):
+        spec_from_json(obj)
+
+
+def test_verify_reports_broken_golden_files_and_unknown_formats_as_failed_checks(tmp_path, exports):
+    _, out = exports("cartpole_mlp")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    with np.load(copy / "parity" / "inputs.npz") as data:
+        np.savez(copy / "parity" / "inputs.npz", observations=data["observations"][:, :3])
+    doc = json.loads((copy / "manifest.json").read_text())
+    doc["formats"]["tflite"] = {"files": []}
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    proc = cli("verify", str(copy), "--report-json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "changed file parity/inputs.npz (sha256 differs from the manifest)" in report["file_problems"]
+    assert "unknown format 'tflite'" in report["errors"]["tflite"]
+    assert "onnx" in report["errors"]  # the truncated inputs no longer fit the model
+
+
+def test_recurrent_inputs_are_checked_like_feed_forward_ones(policies):
+    from policy import InputError
+
+    policy = policies("cartpole_lstm")
+    good = dict(prev_action=np.zeros(4, np.int64), prev_reward=np.zeros(4, np.float32))
+    with pytest.raises(InputError, match="safely cast"):
+        policy.compute_actions(np.full((4, 4), "1.5"), **good)
+    with pytest.raises(InputError, match="seq_lens must be integers"):
+        policy.compute_actions(np.zeros((4, 4), np.float32), seq_lens=[0.5] * 4, **good)
+    with pytest.raises(InputError, match="state has 1 arrays"):
+        policy.compute_actions(np.zeros((4, 4), np.float32), state=[np.zeros((4, 32))], **good)
+    with pytest.raises(InputError, match="prev_action has 3 rows"):
+        policy.compute_actions(np.zeros((4, 4), np.float32), prev_action=np.zeros(3, np.int64),
+                               prev_reward=np.zeros(4, np.float32))
+
+
+def test_keras_op_layers_are_accepted_and_nested_lambdas_refused(tmp_path):
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from exporter.keras_model import KerasRunner, check_config_safe
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, tf.concat([inputs, inputs[:, :1]], axis=-1))  # TFOpLambda, SlicingOpLambda
+    model.save(tmp_path / "ops.h5", save_format="h5")
+    out = KerasRunner(tmp_path / "ops.h5")({model.inputs[0].name.split(":")[0]: np.ones((2, 3), np.float32)})
+    assert next(iter(out.values())).shape == (2, 4)
+    nested = {"class_name": "Functional", "config": {"layers": [{"class_name": "Bidirectional", "config": {
+        "layer": {"class_name": "LSTM", "config": {}},
+        "backward_layer": {"class_name": "Lambda", "config": {"function": "..."}}}}]}}
+    with pytest.raises(ExportError, match="'Lambda'"):
+        check_config_safe(nested, "x.h5")
