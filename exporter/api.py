@@ -31,8 +31,7 @@ from exporter.exploration import (
 )
 from exporter.exploration import summarize as summarize_exploration
 from exporter.parity import (
-    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, compare_arrays, run_batched,
-    sample_observations,
+    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, compare_arrays, run_batched, sample_inputs,
 )
 from exporter.staging import check_target, staged_directory
 from exporter.stepped import (
@@ -260,29 +259,6 @@ def verify_export(
 # ---------------------------------------------------------------------------- internals
 
 
-def sample_inputs(observation_space, action_space, contract: Contract, n: int, seed: int) -> dict[str, np.ndarray]:
-    """``n`` rows of every required input: observations from the space; ``prev_action`` from the
-    action space; ``seq_lens`` of 1 (one-step calls); states and rewards standard normal; other
-    required inputs zero (integers) or standard normal (floats)."""
-    feeds = sample_observations(observation_space, n, seed)
-    feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
-    rng = np.random.default_rng(seed)
-    if "prev_action" in contract.input_keys:
-        feeds["prev_action"] = next(iter(sample_observations(action_space, n, seed + 1).values()))
-    if "seq_lens" in contract.input_keys:
-        feeds["seq_lens"] = np.ones(n, np.dtype(contract.input("seq_lens").dtype))
-    for spec in contract.required_inputs:
-        if spec.key in feeds:
-            continue
-        shape = (n, *(1 if d is None else d for d in spec.shape[1:]))
-        dtype = np.dtype(spec.dtype)
-        if np.issubdtype(dtype, np.floating):
-            feeds[spec.key] = rng.standard_normal(shape).astype(dtype)
-        else:
-            feeds[spec.key] = np.zeros(shape, dtype)
-    return feeds
-
-
 def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
     out = run_batched(policy.run, feeds, batch_size)
     if policy.model_io is not None:
@@ -340,7 +316,7 @@ class _SteppedSetup:
 
     @classmethod
     def make(cls, policy, contract: Contract, steps: int, sequences: int, seed: int) -> "_SteppedSetup":
-        inputs = stepped_inputs(policy, steps, sequences, seed)
+        inputs = stepped_inputs(policy, contract, steps, sequences, seed)
         initial = policy.get_initial_state()
         serving = run_stepped(policy.run, inputs, initial)
         chunk = policy.sequence_graph_chunk

@@ -143,6 +143,13 @@ def _tolerances(args, base=None):
     return Tolerances(default, per_output)
 
 
+def _check_seed(args) -> None:
+    from policy.errors import InputError
+
+    if not 0 <= args.seed < 2**31:
+        raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
+
+
 def _check_report_paths(args) -> None:
     """Report files must be writable where asked: checked before any work is done."""
     from policy.errors import InputError
@@ -197,8 +204,7 @@ def _cmd_export(args, console) -> int:
         raise InputError(f"--samples must be at least 1, got {args.samples}")
     if args.explore_samples < 0:
         raise InputError(f"--explore-samples must be 0 or more, got {args.explore_samples}")
-    if not 0 <= args.seed < 2**31:
-        raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
+    _check_seed(args)
     _check_report_paths(args)
     tolerances = _tolerances(args)
     load_spec(args.spec)
@@ -234,8 +240,9 @@ def _cmd_verify(args, console) -> int:
 
     doc = read_manifest(Path(args.out))
     tolerances = _tolerances(args, Tolerances.from_json(doc["tolerances"]))
-    if not 0 <= args.seed < 2**31 or args.samples < 0:
-        raise InputError("--seed must be in [0, 2**31) and --samples 0 or more")
+    _check_seed(args)
+    if args.samples < 0:
+        raise InputError(f"--samples must be 0 or more, got {args.samples}")
     _check_report_paths(args)
     _heavy_imports(args)
 
@@ -344,8 +351,7 @@ def _cmd_rollout(args, console) -> int:
     read_manifest(Path(args.out))
     if args.episodes < 1:
         raise InputError(f"--episodes must be at least 1, got {args.episodes}")
-    if not 0 <= args.seed < 2**31:
-        raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
+    _check_seed(args)
     _heavy_imports(args)
     from exporter.reports import write_json
     from exporter.rollout import rollout

@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
 
 from policy.errors import CheckFailedError, InputError
 from policy.spaces import leaf_dtype, leaves
+
+if TYPE_CHECKING:
+    from signatures.contract import Contract
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -145,6 +148,29 @@ def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "obse
         sub.seed(seed + i)
         out[leaf.key(prefix)] = np.stack([np.asarray(sub.sample()) for _ in range(n)]).astype(leaf_dtype(sub))
     return out
+
+
+def sample_inputs(observation_space, action_space, contract: "Contract", n: int, seed: int) -> dict[str, np.ndarray]:
+    """``n`` rows of every required input: observations from the space; ``prev_action`` from the
+    action space; ``seq_lens`` of 1 (one-step calls); states and rewards standard normal; other
+    required inputs zero (integers) or standard normal (floats)."""
+    feeds = sample_observations(observation_space, n, seed)
+    feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
+    rng = np.random.default_rng(seed)
+    if "prev_action" in contract.input_keys:
+        feeds["prev_action"] = next(iter(sample_observations(action_space, n, seed + 1).values()))
+    if "seq_lens" in contract.input_keys:
+        feeds["seq_lens"] = np.ones(n, np.dtype(contract.input("seq_lens").dtype))
+    for spec in contract.required_inputs:
+        if spec.key in feeds:
+            continue
+        shape = (n, *(1 if d is None else d for d in spec.shape[1:]))
+        dtype = np.dtype(spec.dtype)
+        if np.issubdtype(dtype, np.floating):
+            feeds[spec.key] = rng.standard_normal(shape).astype(dtype)
+        else:
+            feeds[spec.key] = np.zeros(shape, dtype)
+    return feeds
 
 
 def run_batched(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: int = DEFAULT_BATCH,

@@ -16,21 +16,18 @@ from dataclasses import replace
 
 import numpy as np
 
-from exporter.parity import OutputParity, Runner, Tolerances, compare_arrays, sample_observations
+from exporter.parity import OutputParity, Runner, Tolerances, compare_arrays, sample_inputs
 
 DEFAULT_STEPS = 200
 DEFAULT_SEQUENCES = 4
 
 
-def stepped_inputs(policy, steps: int, sequences: int, seed: int) -> dict[str, np.ndarray]:
-    """Step-major inputs ``[steps, sequences, ...]`` for every required non-state input."""
-    n = steps * sequences
-    feeds = sample_observations(policy.observation_space, n, seed)
-    if "prev_action" in policy.inputs:
-        feeds["prev_action"] = next(iter(sample_observations(policy.action_space, n, seed + 1).values()))
-    if "prev_reward" in policy.inputs:
-        feeds["prev_reward"] = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
-    return {k: v.reshape(steps, sequences, *v.shape[1:]) for k, v in feeds.items()}
+def stepped_inputs(policy, contract, steps: int, sequences: int, seed: int) -> dict[str, np.ndarray]:
+    """Step-major inputs ``[steps, sequences, ...]``: observations, ``prev_action`` and
+    ``prev_reward`` sampled as parity samples them; state and ``seq_lens`` are the stepping's own."""
+    feeds = sample_inputs(policy.observation_space, policy.action_space, contract, steps * sequences, seed)
+    return {k: v.reshape(steps, sequences, *v.shape[1:]) for k, v in feeds.items()
+            if k.startswith(("observations", "prev_"))}
 
 
 def run_stepped(runner: Runner, inputs: Mapping[str, np.ndarray], initial_state: list[np.ndarray]) -> dict[str, np.ndarray]:
