@@ -54,10 +54,10 @@ def bench_policy(spec_path: Path, work: Path) -> dict:
     import onnx
 
     from benchmarks.minimal import minimal_mlp
-    from exporter.onnx_model import inference_session
-    from exporter import export_spec
-    from exporter.parity import sample_observations
-    from policy import TFPolicy, load_spec
+    from policy_export.exporter.onnx_model import inference_session
+    from policy_export.exporter import export_spec
+    from policy_export.exporter.parity import sample_observations
+    from policy_export.policy import TFPolicy, load_spec
 
     spec = load_spec(spec_path)
     out = work / spec.name
@@ -93,7 +93,7 @@ def bench_policy(spec_path: Path, work: Path) -> dict:
 
 
 def scale_spec(name: str, hiddens: list[int], directory: Path) -> Path:
-    from policy.spec import spec_from_json, write_spec
+    from policy_export.policy.spec import spec_from_json, write_spec
 
     spec = spec_from_json({"format_version": 1, "name": f"mlp_{name}",
                            "observation_space": {"type": "Box", "low": -1.0, "high": 1.0, "shape": [OBS_DIM]},
@@ -105,7 +105,7 @@ def scale_spec(name: str, hiddens: list[int], directory: Path) -> Path:
 
 def scale_run(spec_dir: str, out: str) -> dict:
     """Export and verify one policy in this process; report stage times and peak memory."""
-    from exporter import export_spec, verify_export
+    from policy_export.exporter import export_spec, verify_export
 
     start = time.perf_counter()
     result = export_spec(spec_dir, out, device="cpu", overwrite=True)
@@ -113,7 +113,7 @@ def scale_run(spec_dir: str, out: str) -> dict:
     start = time.perf_counter()
     verified = verify_export(out, device="cpu")
     verify_s = time.perf_counter() - start
-    from policy import TFPolicy, load_spec
+    from policy_export.policy import TFPolicy, load_spec
 
     params = int(sum(v.size for v in TFPolicy.from_spec(load_spec(spec_dir)).get_weights().values()))
     return {"parameters": params, "export_s": export_s, "verify_s": verify_s, "verified": verified.passed,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results.json"), metavar="F")
     parser.add_argument("--scale-run", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from exporter.quiet import quiet_libraries
+    from policy_export.exporter.quiet import quiet_libraries
 
     quiet_libraries()
     if args.scale_run:

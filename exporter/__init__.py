@@ -6,10 +6,10 @@ Imports are lazy so that the command line starts without loading TensorFlow.
 from importlib import import_module
 
 _WHERE = {
-    "export_policy": "exporter.api", "export_spec": "exporter.api", "verify_export": "exporter.api",
-    "ExportResult": "exporter.api", "VerifyResult": "exporter.api", "ParityFailedError": "exporter.api",
-    "ALL_FORMATS": "exporter.api", "ParityReport": "exporter.parity", "Tolerance": "exporter.parity",
-    "Tolerances": "exporter.parity", "plan_devices": "exporter.devices",
+    "export_policy": "policy_export.exporter.api", "export_spec": "policy_export.exporter.api", "verify_export": "policy_export.exporter.api",
+    "ExportResult": "policy_export.exporter.api", "VerifyResult": "policy_export.exporter.api", "ParityFailedError": "policy_export.exporter.api",
+    "ALL_FORMATS": "policy_export.exporter.api", "ParityReport": "policy_export.exporter.parity", "Tolerance": "policy_export.exporter.parity",
+    "Tolerances": "policy_export.exporter.parity", "plan_devices": "policy_export.exporter.devices",
 }
 __all__ = sorted(_WHERE)
 

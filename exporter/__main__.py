@@ -2,6 +2,6 @@
 
 import sys
 
-from exporter.cli import main
+from policy_export.exporter.cli import main
 
 sys.exit(main())

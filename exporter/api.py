@@ -1,6 +1,6 @@
 """The Python export API: one call writes every format and proves parity.
 
-    from exporter import export_spec, verify_export
+    from policy_export.exporter import export_spec, verify_export
     result = export_spec("fixtures/cartpole_mlp", "out/cartpole")
     result.parity.passed, [r.max_abs_err for r in result.parity.records]
     verify_export("out/cartpole").raise_if_failed()
@@ -20,28 +20,28 @@ from typing import Any
 
 import numpy as np
 
-from exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
-from exporter.context import (
+from policy_export.exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
+from policy_export.exporter.context import (
     ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,  # noqa: F401 (re-exported)
 )
-from exporter.devices import DevicePlan, plan_devices
-from exporter.exploration import (
+from policy_export.exporter.devices import DevicePlan, plan_devices
+from policy_export.exporter.exploration import (
     DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, compare_samples, logp_of_given_actions, repeated_observations,
     sample_actions,
 )
-from exporter.exploration import summarize as summarize_exploration
-from exporter.parity import (
+from policy_export.exporter.exploration import summarize as summarize_exploration
+from policy_export.exporter.parity import (
     DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, compare_arrays, run_batched, sample_inputs,
 )
-from exporter.staging import check_target, staged_directory
-from exporter.stepped import (
+from policy_export.exporter.staging import check_target, staged_directory
+from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, compare_stepped, run_stepped, run_training_graph, stepped_inputs,
 )
-from policy.errors import CheckFailedError, ExportError, InputError
-from policy.spaces import leaves, space_to_json
-from policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
-from signatures.builder import build_signature
-from signatures.contract import Contract
+from policy_export.policy.errors import CheckFailedError, ExportError, InputError
+from policy_export.policy.spaces import leaves, space_to_json
+from policy_export.policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
+from policy_export.signatures.builder import build_signature
+from policy_export.signatures.contract import Contract
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +200,8 @@ def export_policy(
 
 def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto", **options: Any) -> ExportResult:
     """Load a spec (directory or ``policy.json``), build its policy and :func:`export_policy` it."""
-    from policy.spec import load_spec
-    from policy.tf_policy import TFPolicy
+    from policy_export.policy.spec import load_spec
+    from policy_export.policy.tf_policy import TFPolicy
 
     plan = plan_devices(device)
     check_target(Path(out).absolute(), options.get("overwrite", False))
@@ -403,7 +403,7 @@ def _check_keras(root: Path, golden_out: Mapping[str, np.ndarray], tolerances: T
 
 def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, plan: DevicePlan, samples: int,
                          seed: int, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
-    from policy.spaces import space_from_json
+    from policy_export.policy.spaces import space_from_json
 
     where = str(out / manifest.MANIFEST)
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)

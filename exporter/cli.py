@@ -111,14 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print(f"{PROG}: interrupted; nothing was written")
         return 130
     except Exception as e:  # the one place every error is turned into an exit code
-        from policy.errors import PolicyExportError
+        from policy_export.policy.errors import PolicyExportError
 
         if args.debug:
             err.print_exception()
         if isinstance(e, PolicyExportError):
             report = getattr(e, "report", None)
             if report is not None:
-                from exporter.reports import parity_table
+                from policy_export.exporter.reports import parity_table
 
                 out.print(parity_table(report, "parity"))
             print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _tolerances(args, base=None):
-    from exporter.parity import Tolerance, Tolerances
-    from policy.errors import InputError
+    from policy_export.exporter.parity import Tolerance, Tolerances
+    from policy_export.policy.errors import InputError
 
     tol = base or Tolerances()
     default = Tolerance(args.atol if args.atol is not None else tol.default.atol,
@@ -144,7 +144,7 @@ def _tolerances(args, base=None):
 
 
 def _check_seed(args) -> None:
-    from policy.errors import InputError
+    from policy_export.policy.errors import InputError
 
     if not 0 <= args.seed < 2**31:
         raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
@@ -152,7 +152,7 @@ def _check_seed(args) -> None:
 
 def _check_report_paths(args) -> None:
     """Report files must be writable where asked: checked before any work is done."""
-    from policy.errors import InputError
+    from policy_export.policy.errors import InputError
 
     for flag in ("report_json", "junit"):
         target = getattr(args, flag, None)
@@ -164,13 +164,13 @@ def _emit_reports(args, report, suite: str, file_problems=(), extra: dict | None
     try:
         _write_reports(args, report, suite, file_problems, extra)
     except OSError as e:
-        from policy.errors import ExportError
+        from policy_export.policy.errors import ExportError
 
         raise ExportError(f"cannot write a report: {e}") from e
 
 
 def _write_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
-    from exporter import reports
+    from policy_export.exporter import reports
 
     if args.report_json:
         reports.write_json(args.report_json, {**(extra or {}), "file_problems": list(file_problems),
@@ -185,16 +185,16 @@ def _write_reports(args, report, suite: str, file_problems=(), extra: dict | Non
 
 def _heavy_imports(args) -> None:
     """Import TensorFlow and friends quietly; called after the cheap input checks."""
-    from exporter.quiet import quiet_libraries
+    from policy_export.exporter.quiet import quiet_libraries
 
     quiet_libraries(getattr(args, "debug", False))
 
 
 def _cmd_export(args, console) -> int:
-    from exporter.context import check_opset, resolve_formats
-    from exporter.staging import check_target
-    from policy.errors import InputError
-    from policy.spec import load_spec
+    from policy_export.exporter.context import check_opset, resolve_formats
+    from policy_export.exporter.staging import check_target
+    from policy_export.policy.errors import InputError
+    from policy_export.policy.spec import load_spec
 
     start = time.perf_counter()
     # cheap checks first: bad input fails in a fraction of a second, before TensorFlow loads
@@ -211,8 +211,8 @@ def _cmd_export(args, console) -> int:
     check_target(Path(args.out).absolute(), args.overwrite)
     _heavy_imports(args)
 
-    from exporter.api import ParityFailedError, export_spec
-    from exporter.reports import parity_table
+    from policy_export.exporter.api import ParityFailedError, export_spec
+    from policy_export.exporter.reports import parity_table
 
     try:
         result = export_spec(args.spec, args.out, device=args.device, formats=formats, opset=args.opset,
@@ -233,10 +233,10 @@ def _cmd_export(args, console) -> int:
 
 
 def _cmd_verify(args, console) -> int:
-    from exporter.manifest import read_manifest
-    from exporter.parity import Tolerances
+    from policy_export.exporter.manifest import read_manifest
+    from policy_export.exporter.parity import Tolerances
 
-    from policy.errors import InputError
+    from policy_export.policy.errors import InputError
 
     doc = read_manifest(Path(args.out))
     tolerances = _tolerances(args, Tolerances.from_json(doc["tolerances"]))
@@ -246,8 +246,8 @@ def _cmd_verify(args, console) -> int:
     _check_report_paths(args)
     _heavy_imports(args)
 
-    from exporter.api import verify_export
-    from exporter.reports import parity_table
+    from policy_export.exporter.api import verify_export
+    from policy_export.exporter.reports import parity_table
 
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances)
     _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
@@ -267,7 +267,7 @@ def _cmd_verify(args, console) -> int:
 
 def _contract(path: str, args=None):
     """Read a contract; TensorFlow is imported (quietly) only for SavedModels."""
-    from exporter.inspection import contract_of
+    from policy_export.exporter.inspection import contract_of
 
     if (Path(path) / "saved_model.pb").is_file():
         _heavy_imports(args)
@@ -277,7 +277,7 @@ def _contract(path: str, args=None):
 def _cmd_inspect(args, console) -> int:
     from rich.table import Table
 
-    from exporter.inspection import contract_json
+    from policy_export.exporter.inspection import contract_json
 
     kind, contract = _contract(args.path, args)
     if args.json:
@@ -297,7 +297,7 @@ def _cmd_inspect(args, console) -> int:
 def _cmd_diff(args, console) -> int:
     import json
 
-    from signatures.diff import diff_contracts
+    from policy_export.signatures.diff import diff_contracts
 
     (_, old), (_, new) = _contract(args.old, args), _contract(args.new, args)
     result = diff_contracts(old, new)
@@ -314,9 +314,9 @@ def _cmd_diff(args, console) -> int:
 
 
 def _cmd_convert(args, console) -> int:
-    from exporter.context import check_opset
-    from exporter.staging import check_target
-    from policy.errors import ExportError, InputError
+    from policy_export.exporter.context import check_opset
+    from policy_export.exporter.staging import check_target
+    from policy_export.policy.errors import ExportError, InputError
 
     check_opset(args.opset)
     if not (Path(args.saved_model) / "saved_model.pb").is_file():
@@ -329,8 +329,8 @@ def _cmd_convert(args, console) -> int:
             raise InputError(f"--state {item!r}: expected IN_KEY=OUT_KEY")
         pairs.append((a, b))
     _heavy_imports(args)
-    from exporter.convert import convert_saved_model
-    from exporter.reports import parity_table
+    from policy_export.exporter.convert import convert_saved_model
+    from policy_export.exporter.reports import parity_table
 
     result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
                                  device=args.device, opset=args.opset, samples=args.samples, overwrite=args.overwrite,
@@ -345,16 +345,16 @@ def _cmd_convert(args, console) -> int:
 def _cmd_rollout(args, console) -> int:
     from rich.table import Table
 
-    from exporter.manifest import read_manifest
-    from policy.errors import InputError
+    from policy_export.exporter.manifest import read_manifest
+    from policy_export.policy.errors import InputError
 
     read_manifest(Path(args.out))
     if args.episodes < 1:
         raise InputError(f"--episodes must be at least 1, got {args.episodes}")
     _check_seed(args)
     _heavy_imports(args)
-    from exporter.reports import write_json
-    from exporter.rollout import rollout
+    from policy_export.exporter.reports import write_json
+    from policy_export.exporter.rollout import rollout
 
     report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=args.device)
     table = Table(title=f"rollout {args.out} in {args.env} (deterministic actions)", title_justify="left")

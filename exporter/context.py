@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.devices import DevicePlan
-from policy.errors import InputError
+from policy_export.exporter.devices import DevicePlan
+from policy_export.policy.errors import InputError
 
 DEFAULT_OPSET = 17
 SUPPORTED_OPSETS = range(13, 22)
@@ -57,7 +57,7 @@ class ExportContext:
     def frozen_graph_def(self):
         """The frozen inference GraphDef holding every signature output (cached)."""
         if self._frozen is None:
-            from exporter import frozen_graph
+            from policy_export.exporter import frozen_graph
 
             self._frozen = frozen_graph.freeze(self.policy, self.signature)
         return self._frozen

@@ -21,9 +21,9 @@ import gymnasium as gym
 import numpy as np
 import tensorflow as tf
 
-from exporter.devices import plan_devices
-from policy.errors import ExportError, InputError
-from policy.tf_policy import TFPolicy, session_config
+from policy_export.exporter.devices import plan_devices
+from policy_export.policy.errors import ExportError, InputError
+from policy_export.policy.tf_policy import TFPolicy, session_config
 
 tf1 = tf.compat.v1
 KNOWN_INPUTS = ("observations", "is_training", "seq_lens", "prev_action", "prev_reward", "timestep", "explore")
@@ -161,8 +161,8 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
     ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``...).
     Returns the :class:`exporter.ExportResult`.
     """
-    from exporter.api import export_policy
-    from exporter.staging import check_target
+    from policy_export.exporter.api import export_policy
+    from policy_export.exporter.staging import check_target
 
     check_target(Path(out).absolute(), options.get("overwrite", False))
     policy, mapping = load_saved_model_policy(path, signature_key, tag, device, state_pairs)

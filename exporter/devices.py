@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy.errors import DeviceError
+from policy_export.policy.errors import DeviceError
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu")
 CUDA_PROVIDER = "CUDAExecutionProvider"

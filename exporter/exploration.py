@@ -29,8 +29,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from exporter.parity import Runner, run_batched
-from policy.spaces import leaves
+from policy_export.exporter.parity import Runner, run_batched
+from policy_export.policy.spaces import leaves
 
 DEFAULT_EXPLORE_SAMPLES = 10_000
 DEFAULT_OBSERVATIONS = 4

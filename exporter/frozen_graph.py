@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from exporter.context import ExportContext, FormatRecord
-from exporter.devices import DevicePlan
-from policy.errors import ExportError, InputError
-from policy.tf_policy import session_config
+from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.devices import DevicePlan
+from policy_export.policy.errors import ExportError, InputError
+from policy_export.policy.tf_policy import session_config
 
 tf1 = tf.compat.v1
 FILENAME = "frozen_graph.pb"

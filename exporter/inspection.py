@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter import manifest
-from policy.errors import ExportError
-from signatures.contract import Contract, TensorSpec, json_default
+from policy_export.exporter import manifest
+from policy_export.policy.errors import ExportError
+from policy_export.signatures.contract import Contract, TensorSpec, json_default
 
 
 def contract_of(path: str | Path, signature_key: str = "serving_default", tag: str = "serve") -> tuple[str, Contract]:
@@ -33,10 +33,12 @@ def onnx_contract(path: Path) -> Contract:
 
     The model is checked with ``onnx.checker`` first; a file that is not ONNX is an error.
     """
-    import onnx
+    from policy_export.exporter.compat import import_onnx
+
+    onnx = import_onnx()
     from onnx import numpy_helper
 
-    from exporter.onnx_model import contract_from_model
+    from policy_export.exporter.onnx_model import contract_from_model
 
     try:
         onnx.checker.check_model(str(path))

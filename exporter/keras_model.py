@@ -19,8 +19,8 @@ import h5py
 import numpy as np
 import tensorflow as tf
 
-from exporter.context import ExportContext, FormatRecord
-from policy.errors import ExportError
+from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.policy.errors import ExportError
 
 DIRNAME = "keras"
 SAVED_MODEL = "saved_model"

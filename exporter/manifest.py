@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from policy.errors import ExportError
+from policy_export.policy.errors import ExportError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

@@ -16,13 +16,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
-from exporter.context import ExportContext, FormatRecord
-from exporter.devices import DevicePlan
-from policy.errors import ExportError, InputError
-from signatures.contract import Contract
+from policy_export.exporter.compat import import_onnx
+
+onnx = import_onnx()
+from onnx import helper, numpy_helper  # noqa: E402
+
+from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.devices import DevicePlan
+from policy_export.policy.errors import ExportError, InputError
+from policy_export.signatures.contract import Contract
 
 log = logging.getLogger(__name__)
 FILENAME = "model.onnx"
@@ -153,8 +156,8 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
         ExportError: the policy exposes no deterministic outputs, or the model still holds
             random ops or control flow.
     """
-    from exporter import frozen_graph
-    from signatures.builder import build_deterministic_signature
+    from policy_export.exporter import frozen_graph
+    from policy_export.signatures.builder import build_deterministic_signature
 
     sig = build_deterministic_signature(ctx.policy)
     if sig is None:

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import gymnasium as gym
 import numpy as np
 
-from policy.errors import CheckFailedError, InputError
-from policy.spaces import leaf_dtype, leaves
+from policy_export.policy.errors import CheckFailedError, InputError
+from policy_export.policy.spaces import leaf_dtype, leaves
 
 if TYPE_CHECKING:
-    from signatures.contract import Contract
+    from policy_export.signatures.contract import Contract
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -132,7 +132,7 @@ class ParityReport:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "ParityReport":
-        from exporter.exploration import ExplorationCheck
+        from policy_export.exporter.exploration import ExplorationCheck
 
         records = [OutputParity(**{**r, "shape": tuple(r["shape"])}) for r in obj["records"]]
         exploration = [ExplorationCheck(**c) for c in obj.get("exploration", [])]

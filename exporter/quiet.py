@@ -37,6 +37,9 @@ def quiet_libraries(debug: bool = False) -> None:
     if debug:
         import tensorflow  # noqa: F401
         return
+    from policy_export.exporter.compat import check_onnx_environment
+
+    check_onnx_environment()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     warnings.filterwarnings("ignore")

@@ -15,11 +15,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from exporter import manifest, onnx_model, saved_model
-from exporter.devices import plan_devices
-from policy.errors import InputError
-from policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
-from signatures.contract import Contract
+from policy_export.exporter import manifest, onnx_model, saved_model
+from policy_export.exporter.devices import plan_devices
+from policy_export.policy.errors import InputError
+from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
+from policy_export.signatures.contract import Contract
 
 RUNTIMES = ("tf", "onnx")
 

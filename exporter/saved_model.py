@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from exporter.context import ExportContext, FormatRecord
-from exporter.devices import DevicePlan
-from policy.errors import ExportError, InputError
-from policy.tf_policy import session_config
-from signatures.builder import SERVING_KEY
+from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.devices import DevicePlan
+from policy_export.policy.errors import ExportError, InputError
+from policy_export.policy.tf_policy import session_config
+from policy_export.signatures.builder import SERVING_KEY
 
 tf1 = tf.compat.v1
 TAG = tf1.saved_model.tag_constants.SERVING

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from policy.errors import ExportBusyError, ExportError, ExportExistsError
+from policy_export.policy.errors import ExportBusyError, ExportError, ExportExistsError
 
 MANIFEST = "manifest.json"
 

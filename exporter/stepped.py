@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from exporter.parity import OutputParity, Runner, Tolerances, compare_arrays, sample_inputs
+from policy_export.exporter.parity import OutputParity, Runner, Tolerances, compare_arrays, sample_inputs
 
 DEFAULT_STEPS = 200
 DEFAULT_SEQUENCES = 4
@@ -78,7 +78,7 @@ def run_training_graph(policy, inputs: Mapping[str, np.ndarray], chunk: int) -> 
 
 
 def _nest(policy, leaf_feeds: Mapping[str, np.ndarray]):
-    from policy.spaces import nest_from_leaves
+    from policy_export.policy.spaces import nest_from_leaves
 
     return nest_from_leaves(policy.observation_space, leaf_feeds, "observations")
 

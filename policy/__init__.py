@@ -6,12 +6,13 @@ Names are imported lazily so that ``policy.errors`` stays light (no TensorFlow i
 from importlib import import_module
 
 _EXPORTS = {
-    "policy.errors": (
+    "policy_export.policy.errors": (
         "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
-        "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError", "WeightsError",
+        "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
+        "WeightsError",
     ),
-    "policy.spec": ("LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec"),
-    "policy.tf_policy": ("ActionResult", "TFPolicy"),
+    "policy_export.policy.spec": ("LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec"),
+    "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

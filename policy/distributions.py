@@ -23,8 +23,8 @@ import gymnasium as gym
 import numpy as np
 import tensorflow as tf
 
-from policy.errors import UnsupportedSpaceError
-from policy.spaces import leaves
+from policy_export.policy.errors import UnsupportedSpaceError
+from policy_export.policy.spaces import leaves
 
 
 class Categorical:

@@ -72,3 +72,7 @@ class CheckFailedError(PolicyExportError):
     """A check ran and failed (parity, file hashes, contract compatibility)."""
 
     exit_code = 1
+
+
+class EnvironmentMismatchError(PolicyExportError):
+    """Installed libraries that cannot work together; the message names the versions and the fix."""

@@ -16,8 +16,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from policy.errors import WeightsError
-from policy.models import weight_key
+from policy_export.policy.errors import WeightsError
+from policy_export.policy.models import weight_key
 
 
 def read_h5_weights(path: str | Path) -> dict[str, np.ndarray]:

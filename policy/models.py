@@ -18,8 +18,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from policy.spaces import Leaf, leaves
-from policy.spec import ModelConfig
+from policy_export.policy.spaces import Leaf, leaves
+from policy_export.policy.spec import ModelConfig
 
 BASE_MODEL_NAME = "base_model"
 

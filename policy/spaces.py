@@ -16,7 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from policy.errors import SpecError, UnsupportedSpaceError
+from policy_export.policy.errors import SpecError, UnsupportedSpaceError
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 SPACE_TYPES = ("Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")

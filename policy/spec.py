@@ -15,8 +15,8 @@ from typing import Any
 
 import gymnasium as gym
 
-from policy.errors import SpecError
-from policy.spaces import _Problems, _is_int, parse_space, space_to_json
+from policy_export.policy.errors import SpecError
+from policy_export.policy.spaces import _Problems, _is_int, parse_space, space_to_json
 
 FORMAT_VERSION = 1
 SPEC_FILE = "policy.json"

@@ -25,12 +25,12 @@ import gymnasium as gym
 import numpy as np
 import tensorflow as tf
 
-from policy import h5io
-from policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
-from policy.errors import InputError, PolicyExportError, WeightsError
-from policy.models import build_model, model_inputs, named_weights, preprocess
-from policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves, nest_from_leaves
-from policy.spec import PolicySpec
+from policy_export.policy import h5io
+from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
+from policy_export.policy.errors import InputError, PolicyExportError, WeightsError
+from policy_export.policy.models import build_model, model_inputs, named_weights, preprocess
+from policy_export.policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves, nest_from_leaves
+from policy_export.policy.spec import PolicySpec
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class TFPolicy:
         check_supported(spec.observation_space, "observation_space", SUPPORTED_OBSERVATION_SPACES)
         check_supported(spec.action_space, "action_space", SUPPORTED_ACTION_SPACES)
         if spec.model.lstm is not None:
-            from policy.recurrent import build_recurrent_policy
+            from policy_export.policy.recurrent import build_recurrent_policy
 
             return build_recurrent_policy(cls, spec, device)
         num_outputs = ActionDistribution.required_inputs(spec.action_space)
@@ -309,7 +309,7 @@ class TFPolicy:
         (default zeros). ``result.state_out`` holds the states after each sequence's last step.
         """
         if self.is_recurrent:
-            from policy.recurrent import compute_sequence_actions
+            from policy_export.policy.recurrent import compute_sequence_actions
 
             return compute_sequence_actions(self, obs, state, prev_action, prev_reward, seq_lens, explore, timestep)
         feeds = self.observation_feeds(obs)

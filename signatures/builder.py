@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from signatures.contract import Contract, TensorSpec, json_default
+from policy_export.signatures.contract import Contract, TensorSpec, json_default
 
 tf1 = tf.compat.v1
 SERVING_KEY = tf1.saved_model.signature_constants.DEFAULT_SERVING_SIGNATURE_DEF_KEY

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from signatures.contract import Contract, TensorSpec
+from policy_export.signatures.contract import Contract, TensorSpec
 
 BREAKING, COMPATIBLE = "breaking", "compatible"
 

@@ -24,7 +24,7 @@ def pytest_configure(config):
 
 
 def gpu_available() -> tuple[bool, str]:
-    from exporter.devices import gpu_availability
+    from policy_export.exporter.devices import gpu_availability
 
     tf_gpu, ort_gpu = gpu_availability()
     if not tf_gpu:
@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory):
     """``exports(name)`` -> (ExportResult, path): each fixture exported once, on CPU, 1,000 samples."""
-    from exporter import export_spec
+    from policy_export.exporter import export_spec
 
     cache = {}
     base = tmp_path_factory.mktemp("exports")
@@ -66,7 +66,7 @@ def exports(tmp_path_factory):
 @pytest.fixture(scope="session")
 def policies():
     """``policies(name)`` -> a TFPolicy built from the fixture (cached for the session)."""
-    from policy import TFPolicy, load_spec
+    from policy_export.policy import TFPolicy, load_spec
 
     cache = {}
 

@@ -120,7 +120,7 @@ def test_usage_error_is_exit_2():
 
 def test_module_entry_point_and_fast_help():
     proc = subprocess.run([sys.executable, "-c",
-                           "import sys, exporter.cli; exporter.cli.build_parser(); print('tensorflow' in sys.modules)"],
+                           "import sys, policy_export.exporter.cli; policy_export.exporter.cli.build_parser(); print('tensorflow' in sys.modules)"],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False"  # --help does not import TensorFlow
     proc = subprocess.run([sys.executable, "-m", "exporter", "--help"], capture_output=True, text=True, timeout=60)

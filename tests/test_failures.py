@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES_DIR
-from exporter import api, export_policy, export_spec
-from exporter.staging import staged_directory
-from policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
-from policy.h5io import read_h5_weights, write_h5_weights
+from policy_export.exporter import api, export_policy, export_spec
+from policy_export.exporter.staging import staged_directory
+from policy_export.policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
+from policy_export.policy.h5io import read_h5_weights, write_h5_weights
 from test_cli import cli
 
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
@@ -127,7 +127,7 @@ def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
 def test_keras_file_with_a_lambda_layer_is_refused(tmp_path):
     import tf_keras as keras
 
-    from exporter.keras_model import KerasRunner
+    from policy_export.exporter.keras_model import KerasRunner
 
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Lambda(lambda x: x * 2)(inputs))
@@ -150,7 +150,7 @@ def test_verify_checks_a_swapped_onnx_file_before_loading(tmp_path, exports):
 
 
 def test_unexpected_errors_point_to_debug(tmp_path, monkeypatch):
-    from exporter import cli as cli_module
+    from policy_export.exporter import cli as cli_module
 
     def boom(*args, **kwargs):
         raise ZeroDivisionError("simulated bug")
@@ -297,7 +297,7 @@ def test_more_bad_cli_input_is_exit_2(args, fragment, tmp_path):
     ({"type": "Dict", "spaces": {"a b": {"type": "Discrete", "n": 2}}}, "key 'a b'"),
 ])
 def test_spaces_that_would_be_mangled_are_refused(space, fragment):
-    from policy import spec_from_json
+    from policy_export.policy import spec_from_json
 
     obj = {"format_version": 1, "name": "x", "observation_space": space, "action_space": {"type": "Discrete", "n": 2},
            "model": {"hiddens": [4]}}
@@ -323,7 +323,7 @@ def test_verify_reports_broken_golden_files_and_unknown_formats_as_failed_checks
 
 
 def test_recurrent_inputs_are_checked_like_feed_forward_ones(policies):
-    from policy import InputError
+    from policy_export.policy import InputError
 
     policy = policies("cartpole_lstm")
     good = dict(prev_action=np.zeros(4, np.int64), prev_reward=np.zeros(4, np.float32))
@@ -342,7 +342,7 @@ def test_keras_op_layers_are_accepted_and_nested_lambdas_refused(tmp_path):
     import tensorflow as tf
     import tf_keras as keras
 
-    from exporter.keras_model import KerasRunner, check_config_safe
+    from policy_export.exporter.keras_model import KerasRunner, check_config_safe
 
     inputs = keras.Input((3,))
     model = keras.Model(inputs, tf.concat([inputs, inputs[:, :1]], axis=-1))  # TFOpLambda, SlicingOpLambda

@@ -12,12 +12,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import FIXTURES_DIR
-from exporter import export_policy
-from exporter.convert import convert_saved_model, load_saved_model_policy
-from exporter.inspection import contract_of
-from policy import ExportError, TFPolicy
-from signatures.contract import Contract, TensorSpec
-from signatures.diff import diff_contracts
+from policy_export.exporter import export_policy
+from policy_export.exporter.convert import convert_saved_model, load_saved_model_policy
+from policy_export.exporter.inspection import contract_of
+from policy_export.policy import ExportError, TFPolicy
+from policy_export.signatures.contract import Contract, TensorSpec
+from policy_export.signatures.diff import diff_contracts
 from test_cli import cli
 
 tf1 = tf.compat.v1

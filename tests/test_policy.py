@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import FIXTURES, FIXTURES_DIR
-from policy import InputError, TFPolicy, WeightsError, load_spec
-from policy.h5io import read_h5_weights, write_h5_weights
-from policy.spaces import leaves
+from policy_export.policy import InputError, TFPolicy, WeightsError, load_spec
+from policy_export.policy.h5io import read_h5_weights, write_h5_weights
+from policy_export.policy.spaces import leaves
 
 tf1 = tf.compat.v1
 

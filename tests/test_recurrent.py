@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from conftest import RECURRENT
-from exporter.devices import plan_devices
-from exporter.rollout import rollout
-from exporter.saved_model import SavedModelRunner
-from policy import InputError, TFPolicy, UnsupportedSpaceError, spec_from_json
+from policy_export.exporter.devices import plan_devices
+from policy_export.exporter.rollout import rollout
+from policy_export.exporter.saved_model import SavedModelRunner
+from policy_export.policy import InputError, TFPolicy, UnsupportedSpaceError, spec_from_json
 
 STATE_KEYS_IN = ["state_in_0", "state_in_1", "seq_lens", "prev_action", "prev_reward"]
 STATE_KEYS_OUT = ["state_out_0", "state_out_1"]

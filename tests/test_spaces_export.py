@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES_DIR
-from exporter import export_policy, export_spec
-from exporter import onnx_model
-from exporter.saved_model import SavedModelRunner
-from exporter.devices import plan_devices
-from policy import TFPolicy, UnsupportedSpaceError, spec_from_json
-from policy.spaces import leaves, space_to_json
+from policy_export.exporter import export_policy, export_spec
+from policy_export.exporter import onnx_model
+from policy_export.exporter.saved_model import SavedModelRunner
+from policy_export.exporter.devices import plan_devices
+from policy_export.policy import TFPolicy, UnsupportedSpaceError, spec_from_json
+from policy_export.policy.spaces import leaves, space_to_json
 
 settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -195,7 +195,7 @@ def test_random_spaces_export_with_parity(obs, act, hiddens, activation, seed, t
 def test_two_sample_tests_agree_with_scipy_stats():
     from scipy import stats
 
-    from exporter.exploration import chi_square_homogeneity, ks_two_sample
+    from policy_export.exporter.exploration import chi_square_homogeneity, ks_two_sample
 
     rng = np.random.default_rng(0)
     for k in (2, 3, 6):

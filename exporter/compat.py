@@ -1,0 +1,46 @@
+"""Checks that the installed libraries work together, made before the first of them is imported.
+
+The supported range spans TensorFlow 2.15-2.21. TensorFlow 2.15 pins ``ml_dtypes`` 0.3, while
+onnx 1.19 and newer need ``ml_dtypes`` 0.5 (float4 types) and fail at import with an
+``AttributeError`` deep inside onnx. pip cannot see that conflict (onnx does not state the bound),
+so it is caught here and reported with the fix.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from policy_export.policy.errors import EnvironmentMismatchError
+
+
+def _version(dist: str) -> tuple[int, ...] | None:
+    try:
+        text = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def check_onnx_environment() -> None:
+    """Raise :class:`EnvironmentMismatchError` when onnx cannot import beside this ``ml_dtypes``.
+
+    Returns None when the pair works (or either is absent, which the import itself reports).
+    """
+    onnx_v, ml_v = _version("onnx"), _version("ml_dtypes") or _version("ml-dtypes")
+    if onnx_v and ml_v and onnx_v >= (1, 19) and ml_v < (0, 5):
+        raise EnvironmentMismatchError(
+            f"onnx {'.'.join(map(str, onnx_v))} needs ml_dtypes >= 0.5 but ml_dtypes "
+            f"{'.'.join(map(str, ml_v))} is installed (older TensorFlow releases pin it); "
+            "install an onnx that works beside it: pip install 'onnx>=1.17,<1.19'")
+
+
+def import_onnx():
+    """``import onnx`` after :func:`check_onnx_environment`; returns the module."""
+    check_onnx_environment()
+    import onnx
+
+    return onnx

@@ -1,0 +1,47 @@
+"""policy-export: export a TF graph-mode reinforcement-learning policy to every serving format.
+
+The public API, imported lazily so that ``import policy_export`` does not load TensorFlow::
+
+    from policy_export import TFPolicy, load_spec, export_policy
+
+    policy = TFPolicy.from_spec(load_spec("fixtures/cartpole_mlp"))
+    result = export_policy(policy, "out/cartpole_mlp")
+
+Sub-packages: ``policy_export.policy`` (spaces, spec file, models, TFPolicy),
+``policy_export.signatures`` (SignatureDef and the I/O contract) and ``policy_export.exporter``
+(one module per format, parity, manifest, the export API and the command line).
+"""
+
+from importlib import import_module
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "policy_export.policy.errors": (
+        "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
+        "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
+        "WeightsError",
+    ),
+    "policy_export.policy.spec": (
+        "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",
+    ),
+    "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
+    "policy_export.exporter.api": (
+        "export_policy", "export_spec", "verify_export", "ExportResult", "VerifyResult",
+        "ParityFailedError", "ALL_FORMATS",
+    ),
+    "policy_export.exporter.parity": ("ParityReport", "Tolerance", "Tolerances"),
+    "policy_export.signatures": ("Contract", "TensorSpec", "build_signature"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'policy_export' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

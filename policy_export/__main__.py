@@ -1,0 +1,7 @@
+"""``python -m policy_export``: the same as the ``policy-export`` command."""
+
+import sys
+
+from policy_export.exporter.cli import main
+
+sys.exit(main())
