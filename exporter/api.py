@@ -356,7 +356,7 @@ def _check_format(fmt, root, tensor_names, plan, golden_in, golden_out, keys, ke
     if fmt == "keras":
         _check_keras(root, golden_out, tolerances, batch_size, report, keras_outputs)
         return
-    runner = _load_runner(fmt, root, tensor_names, plan)
+    runner = load_runner(fmt, root, tensor_names, plan)
     try:
         if fmt == "onnx":
             report.devices["onnxruntime_providers_used"] = list(runner.providers)
@@ -376,7 +376,12 @@ def _output_keys(fmt: str, keys: Sequence[str], formats_info: Mapping[str, Any] 
     return [k for k in keys if k in own] if fmt == "onnx_deterministic" and own else list(keys)
 
 
-def _load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
+def load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
+    """A runner (``runner(feeds) -> outputs``, keyed by signature keys) for one format of an export.
+
+    Raises:
+        ExportError: the format has no runner.
+    """
     if fmt == "saved_model":
         return saved_model.load(root, plan)
     if fmt == "frozen_graph":
@@ -415,7 +420,7 @@ def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, 
     for fmt in doc["formats"]:
         if fmt in ("saved_model", "keras"):
             continue
-        runner = _load_runner(fmt, out, doc["tensor_names"], plan)
+        runner = load_runner(fmt, out, doc["tensor_names"], plan)
         got = run_batched(runner, feeds, batch_size)
         keys = _output_keys(fmt, contract.output_keys, doc["formats"])
         report.records.extend(compare(f"{fmt} vs saved_model", reference, got, tolerances, keys))

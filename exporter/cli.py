@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the first episode (default 0)")
     ro.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     ro.add_argument("--report-json", metavar="F", help="write the rollout report as JSON to F")
+    ro.add_argument("--formats", default=None, metavar="LIST",
+                    help="comma-separated formats that play, the first is the reference "
+                         "(default saved_model,onnx; also frozen_graph, onnx_deterministic)")
     return parser
 
 
@@ -342,7 +345,19 @@ def _cmd_convert(args, console) -> int:
     return EXIT_OK
 
 
+def _rollout_formats(text: str | None) -> list[str] | None:
+    from policy_export.policy.errors import InputError
+
+    if text is None:
+        return None
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    if not formats:
+        raise InputError("--formats: give two or more formats, e.g. saved_model,onnx")
+    return formats
+
+
 def _cmd_rollout(args, console) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from policy_export.exporter.manifest import read_manifest
@@ -352,26 +367,40 @@ def _cmd_rollout(args, console) -> int:
     if args.episodes < 1:
         raise InputError(f"--episodes must be at least 1, got {args.episodes}")
     _check_seed(args)
+    formats = _rollout_formats(args.formats)
     _heavy_imports(args)
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
 
-    report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=args.device)
-    table = Table(title=f"rollout {args.out} in {args.env} (deterministic actions)", title_justify="left")
-    for column in ("episode seed", "return TF", "return ONNX", "steps TF", "steps ONNX", "first divergence"):
-        table.add_column(column, justify="right")
+    report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=args.device,
+                     formats=formats)
+    ref, others = report.reference, report.formats[1:]
+    table = Table(title=f"rollout {escape(str(args.out))} in {escape(args.env)} (deterministic actions; "
+                        f"reference {ref})", title_justify="left")
+    table.add_column("episode seed", justify="right")
+    for f in report.formats:
+        table.add_column(f"return {f}", justify="right")
+    table.add_column("steps", justify="right")
+    for f in others:
+        table.add_column(f"{f}: first divergence", justify="right")
     for e in report.episodes:
-        table.add_row(str(e.seed), f"{e.returns['tf']:.1f}", f"{e.returns['onnx']:.1f}", str(e.steps["tf"]),
-                      str(e.steps["onnx"]), "none" if e.first_divergence is None else f"[bold red]step {e.first_divergence}[/bold red]")
+        steps = "/".join(str(e.steps[f]) for f in report.formats)
+        cells = ["none" if e.first_divergence[f] is None else f"[bold red]step {e.first_divergence[f]}[/bold red]"
+                 for f in others]
+        table.add_row(str(e.seed), *(f"{e.returns[f]:.1f}" for f in report.formats), steps, *cells)
     console.print(table)
-    console.print(f"mean return: TF {report.mean_return('tf'):.1f}, ONNX {report.mean_return('onnx'):.1f}")
+    console.print("mean return: " + ", ".join(f"{f} {report.mean_return(f):.1f}" for f in report.formats))
+    console.print("largest action deviation from the reference: "
+                  + ", ".join(f"{f} {report.max_deviation(f):.3g}" for f in others))
     if args.report_json:
         try:
             write_json(args.report_json, report.to_json())
         except OSError as e:
             raise InputError(f"--report-json {args.report_json}: {e.strerror}") from e
     if not report.passed:
-        print(f"{PROG}: rollout failed: the runtimes chose different actions", file=sys.stderr)
+        bad = [f for f in others if any(e.first_divergence[f] is not None for e in report.episodes)]
+        print(f"{PROG}: rollout failed: {', '.join(bad)} chose actions beyond the parity tolerance of {ref}'s "
+              f"(largest deviation {max(report.max_deviation(f) for f in bad):.3g})", file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK
 

@@ -77,6 +77,7 @@ def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: l
     graph = model.graph
     _scalar_one_hot_depths(graph)
     _add_missing_inputs(graph, contract)
+    _drop_unused_initializers(graph)
     _name_batch_dims(graph, contract)
     del model.metadata_props[:]
     helper.set_model_props(model, {CONTRACT_METADATA: json.dumps(contract.to_json(), sort_keys=True),
@@ -108,6 +109,28 @@ def _scalar_one_hot_depths(graph: onnx.GraphProto) -> None:
                 initializers[name] = numpy_helper.from_array(depth.reshape(()), name)
                 graph.initializer.append(initializers[name])
             node.input[1] = name
+
+
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs (If/Loop bodies) reads."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= _names_read(sub)
+    return names
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Remove initializers that no node reads and that back no graph input (an optional input's
+    default) or output: the converter's and the post-processing's leftovers."""
+    keep = _names_read(graph) | {i.name for i in graph.input} | {o.name for o in graph.output}
+    unused = [i for i in graph.initializer if i.name not in keep]
+    for init in unused:
+        graph.initializer.remove(init)
+    if unused:
+        log.debug("dropped %d unused initializers: %s", len(unused), [i.name for i in unused])
 
 
 def _add_missing_inputs(graph: onnx.GraphProto, contract: Contract) -> None:

@@ -1,9 +1,13 @@
-"""Roll out an export in a gymnasium environment with TF (the SavedModel) and ONNX Runtime.
+"""Roll out an export in a gymnasium environment with several of its formats side by side.
 
-Both runtimes play the same seeded episodes in lockstep, each in its own copy of the
-environment, with deterministic actions; recurrent state, ``prev_action`` and ``prev_reward``
-are carried by each runtime for itself. The report gives each episode's return per runtime and
-the first step at which the runtimes chose different actions (``None``: they never did).
+Every chosen format (default: the SavedModel, run by TensorFlow, and ``model.onnx``, run by ONNX
+Runtime) plays the same seeded episodes in lockstep, each in its own copy of the environment, with
+deterministic actions; recurrent state, ``prev_action`` and ``prev_reward`` are carried by each
+format for itself. The first format is the reference. Integer and bool actions must be identical to
+the reference's; float actions must agree within the export's parity tolerance for that
+``actions_i`` output (``|a - ref| <= atol + rtol * |ref|``), since runtimes differ in the last bits
+of a float. The report gives each episode's return per format, the first step at which a format's
+action left that bound (``None``: it never did) and the largest deviation seen.
 """
 
 from __future__ import annotations
@@ -15,38 +19,57 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from policy_export.exporter import manifest, onnx_model, saved_model
+from policy_export.exporter import manifest
 from policy_export.exporter.devices import plan_devices
-from policy_export.policy.errors import InputError
+from policy_export.exporter.parity import Tolerances
+from policy_export.policy.errors import ExportError, InputError
 from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
 from policy_export.signatures.contract import Contract
 
-RUNTIMES = ("tf", "onnx")
+PLAYABLE = ("saved_model", "frozen_graph", "onnx", "onnx_deterministic")
+DEFAULT_FORMATS = ("saved_model", "onnx")
 
 
 @dataclass(frozen=True)
 class EpisodeResult:
+    """One seeded episode: per format its return, its steps, the first step its action left the
+    tolerance of the reference's (``None``: never) and the largest absolute action deviation."""
+
     seed: int
     returns: dict[str, float]
     steps: dict[str, int]
-    first_divergence: int | None
+    first_divergence: dict[str, int | None]
+    max_deviation: dict[str, float]
+
+    @property
+    def diverged(self) -> bool:
+        return any(step is not None for step in self.first_divergence.values())
 
 
 @dataclass(frozen=True)
 class RolloutReport:
     env_id: str
+    formats: list[str]
     episodes: list[EpisodeResult]
 
     @property
-    def passed(self) -> bool:
-        return all(e.first_divergence is None for e in self.episodes)
+    def reference(self) -> str:
+        return self.formats[0]
 
-    def mean_return(self, runtime: str) -> float:
-        return float(np.mean([e.returns[runtime] for e in self.episodes]))
+    @property
+    def passed(self) -> bool:
+        return not any(e.diverged for e in self.episodes)
+
+    def mean_return(self, fmt: str) -> float:
+        return float(np.mean([e.returns[fmt] for e in self.episodes]))
+
+    def max_deviation(self, fmt: str) -> float:
+        return float(max(e.max_deviation.get(fmt, 0.0) for e in self.episodes))
 
     def to_json(self) -> dict[str, Any]:
-        return {"env_id": self.env_id, "passed": self.passed,
-                "mean_return": {r: self.mean_return(r) for r in RUNTIMES},
+        return {"env_id": self.env_id, "passed": self.passed, "reference": self.reference, "formats": self.formats,
+                "mean_return": {f: self.mean_return(f) for f in self.formats},
+                "max_deviation": {f: self.max_deviation(f) for f in self.formats[1:]},
                 "episodes": [asdict(e) for e in self.episodes]}
 
 
@@ -81,60 +104,110 @@ class _Agent:
 
 
 def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, device: str = "auto",
-            max_steps: int | None = None) -> RolloutReport:
-    """Play ``episodes`` seeded episodes of ``env_id`` with both runtimes of the export at ``out``.
+            max_steps: int | None = None, formats: list[str] | None = None) -> RolloutReport:
+    """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
+
+    ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats among
+    ``saved_model``, ``frozen_graph``, ``onnx`` and ``onnx_deterministic``; the first is the reference.
 
     Raises:
-        ExportError: ``out`` is not an export or lacks a SavedModel or ONNX model.
-        InputError: the environment is unknown or its spaces do not match the export's.
+        ExportError: ``out`` is not an export, or lacks one of the formats.
+        InputError: the environment is unknown, its spaces do not match the export's, or
+            ``formats`` names fewer than two formats or one that cannot play.
     """
+    from policy_export.exporter.api import load_runner
+
     out = Path(out)
     doc = manifest.read_manifest(out)
     if episodes < 1:
         raise InputError(f"episodes must be at least 1, got {episodes}")
+    formats = list(formats or DEFAULT_FORMATS)
+    _check_formats(formats, doc)
     contract = Contract.from_json(doc["contract"])
+    tolerances = Tolerances.from_json(doc["tolerances"])
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(out))
     act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", str(out))
     try:
-        envs = {r: gym.make(env_id) for r in RUNTIMES}
-    except gym.error.Error as e:
+        envs = {f: gym.make(env_id) for f in formats}
+    except (gym.error.Error, ModuleNotFoundError, AttributeError, ValueError) as e:
         raise InputError(f"cannot make environment {env_id!r}: {e}") from e
-    _check_spaces(envs["tf"], obs_space, act_space, env_id)
-    plan = plan_devices(device)
-    runners = {"tf": saved_model.load(out, plan), "onnx": onnx_model.load(out, plan)}
-    results = []
-    for episode in range(episodes):
-        results.append(_episode(envs, runners, contract, obs_space, act_space, seed + episode, max_steps))
-    for env in envs.values():
-        env.close()
-    return RolloutReport(env_id, results)
+    runners = {}
+    try:
+        _check_spaces(envs[formats[0]], obs_space, act_space, env_id)
+        plan = plan_devices(device)
+        for fmt in formats:
+            runners[fmt] = load_runner(fmt, out, doc["tensor_names"], plan)
+        results = [_episode(envs, runners, contract, tolerances, obs_space, act_space, seed + i, max_steps)
+                   for i in range(episodes)]
+    finally:
+        for env in envs.values():
+            env.close()
+        for runner in runners.values():
+            getattr(runner, "close", lambda: None)()
+    return RolloutReport(env_id, formats, results)
 
 
-def _episode(envs, runners, contract, obs_space, act_space, seed: int, max_steps: int | None) -> EpisodeResult:
-    agents = {r: _Agent(runners[r], contract, obs_space, act_space) for r in RUNTIMES}
-    obs = {r: envs[r].reset(seed=seed)[0] for r in RUNTIMES}
-    returns = {r: 0.0 for r in RUNTIMES}
-    steps = {r: 0 for r in RUNTIMES}
-    done = {r: False for r in RUNTIMES}
-    divergence = None
+def _check_formats(formats: list[str], doc: dict) -> None:
+    unknown = [f for f in formats if f not in PLAYABLE]
+    if unknown:
+        raise InputError(f"formats {unknown} cannot play a rollout; choose from {list(PLAYABLE)}")
+    if len(formats) < 2 or len(set(formats)) != len(formats):
+        raise InputError(f"a rollout needs two or more different formats, got {formats}")
+    missing = [f for f in formats if f not in doc["formats"]]
+    if missing:
+        raise ExportError(f"the export has no {', '.join(missing)}; it has {sorted(doc['formats'])}")
+
+
+def _deviation(got: np.ndarray, ref: np.ndarray, key: str, tolerances: Tolerances) -> tuple[bool, float]:
+    """Whether ``got`` agrees with ``ref`` (exact for integers and bools), and the max abs deviation."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    if got.shape != ref.shape:
+        return False, float("inf")
+    if not np.issubdtype(ref.dtype, np.floating):
+        return bool(np.array_equal(got, ref)), float(np.max(np.abs(got.astype(np.float64) - ref), initial=0.0))
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    tol = tolerances.for_output(key)
+    ok = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(ref.astype(np.float64))))
+    return ok, float(np.max(diff, initial=0.0))
+
+
+def _episode(envs, runners, contract, tolerances, obs_space, act_space, seed: int,
+             max_steps: int | None) -> EpisodeResult:
+    formats = list(runners)
+    reference = formats[0]
+    agents = {f: _Agent(runners[f], contract, obs_space, act_space) for f in formats}
+    obs = {f: envs[f].reset(seed=seed)[0] for f in formats}
+    returns = {f: 0.0 for f in formats}
+    steps = {f: 0 for f in formats}
+    done = {f: False for f in formats}
+    divergence: dict[str, int | None] = {f: None for f in formats[1:]}
+    deviation = {f: 0.0 for f in formats[1:]}
     t = 0
     while not all(done.values()) and (max_steps is None or t < max_steps):
         chosen = {}
-        for r in RUNTIMES:
-            if done[r]:
+        for f in formats:
+            if done[f]:
                 continue
-            action, flat = agents[r].act(obs[r])
-            chosen[r] = flat
-            obs[r], reward, terminated, truncated, _ = envs[r].step(action)
-            agents[r].prev_reward = float(reward)
-            returns[r] += float(reward)
-            steps[r] += 1
-            done[r] = terminated or truncated
-        if divergence is None and (len(chosen) < len(RUNTIMES) or not all(
-                np.array_equal(a, b) for a, b in zip(chosen["tf"], chosen["onnx"]))):
-            divergence = t
+            action, flat = agents[f].act(obs[f])
+            chosen[f] = flat
+            obs[f], reward, terminated, truncated, _ = envs[f].step(action)
+            agents[f].prev_reward = float(reward)
+            returns[f] += float(reward)
+            steps[f] += 1
+            done[f] = terminated or truncated
+        for f in formats[1:]:
+            if f not in chosen or reference not in chosen:
+                agree = f not in chosen and reference not in chosen
+            else:
+                agree = True
+                for i, (a, b) in enumerate(zip(chosen[f], chosen[reference])):
+                    ok, dev = _deviation(a, b, f"actions_{i}", tolerances)
+                    deviation[f] = max(deviation[f], dev)
+                    agree = agree and ok
+            if not agree and divergence[f] is None:
+                divergence[f] = t
         t += 1
-    return EpisodeResult(seed, returns, steps, divergence)
+    return EpisodeResult(seed, returns, steps, divergence, deviation)
 
 
 def _check_spaces(env: gym.Env, obs_space: gym.Space, act_space: gym.Space, env_id: str) -> None:
