@@ -38,7 +38,7 @@ from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, compare_stepped, run_stepped, run_training_graph, stepped_inputs,
 )
 from policy_export.policy.errors import CheckFailedError, ExportError, InputError
-from policy_export.policy.spaces import leaves, space_to_json
+from policy_export.policy.spaces import check_sample_budget, leaves, space_to_json
 from policy_export.policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
 from policy_export.signatures.builder import build_signature
 from policy_export.signatures.contract import Contract
@@ -54,6 +54,11 @@ _WRITERS = {
     "onnx_deterministic": (onnx_model.write_deterministic, onnx_model.DETERMINISTIC_FILENAME),
     "keras": (keras_model.write, keras_model.DIRNAME),
 }
+
+
+def check_export_files(out: Path, doc: Mapping[str, Any]) -> manifest.FileCheck:
+    """The file check of an export (changed, missing, extra and special files, each named)."""
+    return manifest.check_files(out, doc, {fmt: path for fmt, (_, path) in _WRITERS.items()})
 
 
 class ParityFailedError(CheckFailedError):
@@ -143,6 +148,9 @@ def export_policy(
     check_opset(opset)
     if samples < 1:
         raise InputError(f"samples must be at least 1, got {samples}")
+    check_sample_budget(samples, policy.observation_space, "samples")
+    check_sample_budget(explore_samples * DEFAULT_OBSERVATIONS, policy.observation_space,
+                        f"explore_samples {explore_samples} x {DEFAULT_OBSERVATIONS} observations:")
     plan = device if isinstance(device, DevicePlan) else plan_devices(device)
     tolerances = tolerances or Tolerances()
     out = Path(out)
@@ -219,34 +227,46 @@ def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto",
 def verify_export(
     out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
+    expect_manifest_sha256: str | None = None,
 ) -> VerifyResult:
     """Check an export: file hashes, then every format fresh from disk against the golden outputs.
 
-    With ``samples > 0``, also draws that many new observations and compares each format with
-    the SavedModel on them.
+    A format or golden file whose files failed the hash check (changed, missing, extra, or not a
+    regular file) is never loaded; with ``expect_manifest_sha256`` (the manifest's digest kept
+    elsewhere) a manifest with another digest fails and nothing is loaded. With ``samples > 0``,
+    also draws that many new observations and compares each format with the SavedModel on them.
 
     Raises:
         ExportError: ``out`` is not an export.
+        InputError: ``expect_manifest_sha256`` is not 64 hex digits, or a tolerance names an unknown output.
     """
     out = Path(out)
+    pin = _check_pin(expect_manifest_sha256)
     doc = manifest.read_manifest(out)
-    problems = manifest.check_files(out, doc)
+    check = check_export_files(out, doc)
+    problems = list(check.problems)
+    digest = manifest.manifest_sha256(out) if pin is not None else None
+    if digest != pin:
+        problems.insert(0, f"changed file {manifest.MANIFEST} (sha256 {digest} is not the expected {pin}); "
+                           "nothing was loaded")
     plan = plan_devices(device)
     tolerances = tolerances or Tolerances.from_json(doc["tolerances"])
     contract = Contract.from_json(doc["contract"])
+    _check_tolerance_keys(tolerances, contract, doc)
     report = ParityReport("golden_outputs", 0, seed, _device_info(plan))
-    golden_dir = out / PARITY_DIR
-    for fmt in doc["formats"]:
-        if fmt not in _WRITERS:
-            report.errors[fmt] = f"unknown format {fmt!r} in the manifest"
-        elif not (out / _WRITERS[fmt][1]).exists():
-            report.errors[fmt] = f"{_WRITERS[fmt][1]} is missing"
+    if digest != pin:  # the manifest itself is not the one pinned: trust none of it
+        return VerifyResult(out, problems, report)
+    _untrusted_formats(out, doc, check, report)
     formats = [f for f in doc["formats"] if f not in report.errors]
+    golden = [f"{PARITY_DIR}/inputs.npz", f"{PARITY_DIR}/outputs.npz"]
+    if not all(check.trusted(g) for g in golden):
+        report.errors["parity"] = "golden files not loaded: they failed the hash check"
+        return VerifyResult(out, problems, report)
     try:
-        golden_in = _load_npz(golden_dir / "inputs.npz")
-        golden_out = _load_npz(golden_dir / "outputs.npz")
+        golden_in = manifest.load_npz(out / golden[0])
+        golden_out = manifest.load_npz(out / golden[1])
         report.samples = len(next(iter(golden_in.values())))
-    except (ExportError, StopIteration) as e:
+    except (ExportError, StopIteration, TypeError) as e:
         report.errors["parity"] = f"golden files cannot be used: {e}"
     else:
         _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
@@ -254,6 +274,35 @@ def verify_export(
     if samples > 0 and "saved_model" in doc["formats"] and not report.errors:
         _check_fresh_samples(out, doc, contract, plan, samples, seed, tolerances, batch_size, report)
     return VerifyResult(out, problems, report)
+
+
+def _check_pin(digest: str | None) -> str | None:
+    if digest is None:
+        return None
+    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdefABCDEF" for c in digest)):
+        raise InputError(f"expected manifest sha256 must be 64 hexadecimal digits, got {digest!r}")
+    return digest.lower()
+
+
+def _check_tolerance_keys(tolerances: Tolerances, contract: Contract, doc: Mapping[str, Any]) -> None:
+    known = set(contract.output_keys) | set(doc["tolerances"].get("per_output", {}))
+    unknown = sorted(set(tolerances.per_output) - known)
+    if unknown:
+        raise InputError(f"tolerance given for unknown output(s) {unknown}; outputs are {contract.output_keys}")
+
+
+def _untrusted_formats(out: Path, doc: Mapping[str, Any], check: manifest.FileCheck, report: ParityReport) -> None:
+    """Record in ``report.errors`` every format that is unknown, missing, or has a file that failed its hash."""
+    for fmt, info in doc["formats"].items():
+        if fmt not in _WRITERS:
+            report.errors[fmt] = f"unknown format {fmt!r} in the manifest"
+            continue
+        files = info.get("files", [])
+        own = {_WRITERS[fmt][1], *(files if isinstance(files, list) else [])}
+        if not all(check.trusted(p) for p in own):
+            report.errors[fmt] = "not loaded: its files failed the hash check"
+        elif not (out / _WRITERS[fmt][1]).exists():
+            report.errors[fmt] = f"{_WRITERS[fmt][1]} is missing"
 
 
 # ---------------------------------------------------------------------------- internals
@@ -413,6 +462,7 @@ def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, 
     where = str(out / manifest.MANIFEST)
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)
     act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", where)
+    check_sample_budget(samples, obs_space, "samples")
     feeds = sample_inputs(obs_space, act_space, contract, samples, seed)
     reference_runner = saved_model.load(out, plan)
     reference = run_batched(reference_runner, feeds, batch_size)
@@ -432,14 +482,6 @@ def _write_golden(root: Path, golden_in, golden_out, report: ParityReport) -> No
     np.savez(d / "inputs.npz", **golden_in)
     np.savez(d / "outputs.npz", **golden_out)
     (d / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-
-
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except Exception as e:  # zipfile, OSError, ValueError: any of them means "not usable"
-        raise ExportError(f"{path} is not a readable .npz file: {e}") from e
 
 
 def _device_info(plan: DevicePlan) -> dict[str, Any]:

@@ -13,8 +13,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rich.markup import escape
+
 PROG = "policy-export"
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # SIGINT, SIGTERM and SIGHUP alike
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: newlines and other control characters escaped (user text cannot add lines)."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
 
 
 def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> None:
@@ -56,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
     ve.add_argument("out", metavar="OUT", help="export directory")
     ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
+    ve.add_argument("--expect-manifest-sha256", metavar="HEX", default=None,
+                    help="fail unless manifest.json has this sha256 (pin the digest kept outside the export)")
     _parity_options(ve, 0)
 
     ins = sub.add_parser("inspect", parents=[common],
@@ -83,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--overwrite", action="store_true")
     co.add_argument("--state", action="append", default=[], metavar="IN_KEY=OUT_KEY",
                     help="pair a state input with its output, in order (repeat); default: natural order of names")
+    co.add_argument("--observation-space", default=None, metavar="JSON|FILE",
+                    help="the observation space the graph takes, in policy.json's space format (JSON text or a "
+                         ".json file); parity samples from it (default: inferred from the tensors)")
+    co.add_argument("--action-space", default=None, metavar="JSON|FILE",
+                    help="the action space the graph computes, same format (default: inferred from the tensors)")
+    co.add_argument("--dist-inputs", default=None, metavar="KEY",
+                    help="Keras base models: the output holding the action distribution inputs "
+                         "(default: the one output of the width the action space needs)")
 
     ro = sub.add_parser("rollout", parents=[common],
                         help="play an environment with the export's TF and ONNX runtimes and compare their actions")
@@ -104,15 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from rich.console import Console
 
+    from policy_export.exporter.staging import Interrupted, signals_as_interrupts
+
     width = None if sys.stdout.isatty() else 140  # CI logs: no wrapping of the parity table
     out, err = Console(width=width), Console(stderr=True)
     try:
         commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
                     "inspect": _cmd_inspect, "diff": _cmd_diff, "convert": _cmd_convert}
-        return commands[args.command](args, out)
-    except KeyboardInterrupt:
-        err.print(f"{PROG}: interrupted; nothing was written")
-        return 130
+        with signals_as_interrupts():  # SIGTERM and SIGHUP clean up like Ctrl-C
+            return commands[args.command](args, out)
+    except KeyboardInterrupt as e:
+        how = f"by {e}" if isinstance(e, Interrupted) else "by SIGINT"
+        print(f"{PROG}: interrupted {how}; no partial export was left behind", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:  # the one place every error is turned into an exit code
         from policy_export.policy.errors import PolicyExportError
 
@@ -124,9 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from policy_export.exporter.reports import parity_table
 
                 out.print(parity_table(report, "parity"))
-            print(f"{PROG}: error: {e}", file=sys.stderr)
+            print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
             return e.exit_code
-        print(f"{PROG}: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        print(f"{PROG}: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)",
+              file=sys.stderr)
         return EXIT_INTERNAL
 
 
@@ -153,14 +176,27 @@ def _check_seed(args) -> None:
         raise InputError(f"--seed must be in [0, 2**31), got {args.seed}")
 
 
-def _check_report_paths(args) -> None:
-    """Report files must be writable where asked: checked before any work is done."""
+def _check_report_paths(args, export_dir: str | None = None) -> None:
+    """Report files (and ``$GITHUB_STEP_SUMMARY``) must be writable where asked, and outside the
+    export (a file inside it would fail the next verify): checked before any work is done."""
+    from policy_export.exporter.staging import normalise
     from policy_export.policy.errors import InputError
 
-    for flag in ("report_json", "junit"):
-        target = getattr(args, flag, None)
-        if target and not Path(target).absolute().parent.is_dir():
-            raise InputError(f"--{flag.replace('_', '-')} {target}: directory {Path(target).absolute().parent} does not exist")
+    targets = [(f"--{flag.replace('_', '-')}", getattr(args, flag, None)) for flag in ("report_json", "junit")]
+    targets.append(("GITHUB_STEP_SUMMARY", os.environ.get("GITHUB_STEP_SUMMARY")))
+    inside = normalise(export_dir) if export_dir else None
+    for what, target in targets:
+        if not target:
+            continue
+        path = normalise(target)
+        if path.is_dir():
+            raise InputError(f"{what} {target}: is a directory")
+        if not path.parent.is_dir():
+            raise InputError(f"{what} {target}: directory {path.parent} does not exist")
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InputError(f"{what} {target}: not writable")
+        if inside is not None and (path == inside or inside in path.parents):
+            raise InputError(f"{what} {target}: is inside the export {export_dir}; write reports elsewhere")
 
 
 def _emit_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
@@ -186,6 +222,30 @@ def _write_reports(args, report, suite: str, file_problems=(), extra: dict | Non
             f.write(reports.markdown_summary(report, suite, file_problems))
 
 
+def _check_samples(args, obs_space) -> None:
+    """``--samples`` (and ``--explore-samples``) within the limits, before anything is allocated."""
+    from policy_export.exporter.exploration import DEFAULT_OBSERVATIONS
+    from policy_export.policy.spaces import check_sample_budget
+
+    check_sample_budget(args.samples, obs_space, "--samples")
+    explore = getattr(args, "explore_samples", 0)
+    if explore:
+        check_sample_budget(explore * DEFAULT_OBSERVATIONS, obs_space,
+                            f"--explore-samples {explore} x {DEFAULT_OBSERVATIONS} observations:")
+
+
+def _check_tolerance_keys(args, doc) -> None:
+    """``--tolerance KEY=...`` must name an output of the export (a typo would silently check nothing)."""
+    from policy_export.policy.errors import InputError
+
+    outputs = [o.get("key") for o in doc["contract"]["outputs"]]
+    known = set(outputs) | set(doc["tolerances"].get("per_output", {}))
+    for item in args.tolerance:
+        key = item.partition("=")[0]
+        if key not in known:
+            raise InputError(f"--tolerance {item!r}: {key!r} is not an output of the export; outputs are {outputs}")
+
+
 def _heavy_imports(args) -> None:
     """Import TensorFlow and friends quietly; called after the cheap input checks."""
     from policy_export.exporter.quiet import quiet_libraries
@@ -201,6 +261,8 @@ def _cmd_export(args, console) -> int:
 
     start = time.perf_counter()
     # cheap checks first: bad input fails in a fraction of a second, before TensorFlow loads
+    if args.formats is not None and not [f for f in args.formats.split(",") if f.strip()]:
+        raise InputError("--formats is empty; name at least one format, or leave the option out for all")
     formats = resolve_formats([f.strip() for f in args.formats.split(",") if f.strip()] if args.formats else None)
     check_opset(args.opset)
     if args.samples < 1:
@@ -208,9 +270,10 @@ def _cmd_export(args, console) -> int:
     if args.explore_samples < 0:
         raise InputError(f"--explore-samples must be 0 or more, got {args.explore_samples}")
     _check_seed(args)
-    _check_report_paths(args)
+    _check_report_paths(args, args.out)
     tolerances = _tolerances(args)
-    load_spec(args.spec)
+    spec = load_spec(args.spec)
+    _check_samples(args, spec.observation_space)
     check_target(Path(args.out).absolute(), args.overwrite)
     _heavy_imports(args)
 
@@ -230,7 +293,7 @@ def _cmd_export(args, console) -> int:
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples vs the TF session "
                                               f"({result.parity.devices.get('tf_device')}, "
                                               f"{', '.join(result.parity.devices.get('onnxruntime_providers_used', []))})"))
-    console.print(f"exported [bold]{result.path}[/bold]: {', '.join(result.formats)} "
+    console.print(f"exported [bold]{escape(str(result.path))}[/bold]: {', '.join(result.formats)} "
                   f"({len(result.files)} files) in {time.perf_counter() - start:.1f} s")
     return EXIT_OK
 
@@ -246,25 +309,32 @@ def _cmd_verify(args, console) -> int:
     _check_seed(args)
     if args.samples < 0:
         raise InputError(f"--samples must be 0 or more, got {args.samples}")
-    _check_report_paths(args)
+    _check_report_paths(args, args.out)
+    _check_tolerance_keys(args, doc)
+    if args.samples:
+        from policy_export.policy.spaces import space_from_json
+
+        _check_samples(args, space_from_json(doc.get("spaces", {}).get("observation"), "$.spaces.observation",
+                                             str(Path(args.out) / "manifest.json")))
     _heavy_imports(args)
 
     from policy_export.exporter.api import verify_export
     from policy_export.exporter.reports import parity_table
 
-    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances)
+    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances,
+                           expect_manifest_sha256=args.expect_manifest_sha256)
     _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
     devices = result.parity.devices
-    console.print(parity_table(result.parity, f"verify {args.out}: golden outputs ({result.parity.samples} samples; "
+    console.print(parity_table(result.parity, f"verify {escape(args.out)}: golden outputs ({result.parity.samples} samples; "
                                               f"TF {devices.get('tf_device')}, ONNX Runtime "
                                               f"{', '.join(devices.get('onnxruntime_providers_used', []))})"))
     for problem in result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]:
-        console.print(f"[bold red]{problem}[/bold red]", soft_wrap=True)
+        console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True)
     if not result.passed:
         failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
         print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
         return EXIT_CHECK_FAILED
-    console.print(f"verified [bold]{args.out}[/bold]: files match the manifest, every format matches")
+    console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, every format matches")
     return EXIT_OK
 
 
@@ -279,6 +349,7 @@ def _contract(path: str, args=None):
 
 def _cmd_inspect(args, console) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     from policy_export.exporter.inspection import contract_json
 
@@ -286,13 +357,14 @@ def _cmd_inspect(args, console) -> int:
     if args.json:
         print(contract_json(kind, Path(args.path), contract))
         return EXIT_OK
-    table = Table(title=f"{args.path} ({kind}, signature {contract.signature_key})", title_justify="left")
+    table = Table(title=escape(f"{args.path} ({kind}, signature {contract.signature_key})"), title_justify="left")
     for column in ("", "key", "dtype", "shape", "required / default"):
         table.add_column(column)
     for side, specs in (("input", contract.inputs), ("output", contract.outputs)):
         for s in specs:
             need = "required" if s.required else f"default {s.default!r}"
-            table.add_row(side, s.key, s.dtype, s.shape_text(), need if side == "input" else "")
+            table.add_row(*(Text(one_line(v)) for v in (side, s.key, s.dtype, s.shape_text(),
+                                                          need if side == "input" else "")))
     console.print(table)
     return EXIT_OK
 
@@ -307,13 +379,42 @@ def _cmd_diff(args, console) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        console.print(f"[bold]{'compatible' if result.compatible else 'BREAKING'}[/bold]: {args.old} -> {args.new}")
+        console.print(f"[bold]{'compatible' if result.compatible else 'BREAKING'}[/bold]: "
+                      f"{escape(one_line(f'{args.old} -> {args.new}'))}")
         for change in result.changes:
             style = "red" if change.kind == "breaking" else "green"
-            console.print(f"  [{style}]{change.kind}[/{style}] {change.side} {change.key}: {change.what}", soft_wrap=True)
+            console.print(f"  [{style}]{change.kind}[/{style}] "
+                          f"{escape(one_line(f'{change.side} {change.key}: {change.what}'))}", soft_wrap=True)
         if not result.changes:
             console.print("  no change to any input or output")
     return EXIT_OK if result.compatible else EXIT_CHECK_FAILED
+
+
+def _space_option(value: str | None, option: str):
+    """A gymnasium space from JSON text or a .json file (policy.json's space format); ``None`` stays ``None``.
+
+    Raises:
+        InputError: unreadable file or invalid JSON. SpecError: JSON that is not a valid space.
+    """
+    import json
+
+    from policy_export.policy.errors import InputError
+
+    if value is None:
+        return None
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"{option} {value!r}: neither JSON text nor a readable file ({e.strerror})") from e
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{option}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    from policy_export.policy.spaces import space_from_json
+
+    return space_from_json(obj, "$", option)
 
 
 def _cmd_convert(args, console) -> int:
@@ -331,13 +432,15 @@ def _cmd_convert(args, console) -> int:
         if not sep or not a or not b:
             raise InputError(f"--state {item!r}: expected IN_KEY=OUT_KEY")
         pairs.append((a, b))
+    spaces = {name: _space_option(getattr(args, name), f"--{name.replace('_', '-')}")
+              for name in ("observation_space", "action_space")}
     _heavy_imports(args)
     from policy_export.exporter.convert import convert_saved_model
     from policy_export.exporter.reports import parity_table
 
     result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
                                  device=args.device, opset=args.opset, samples=args.samples, overwrite=args.overwrite,
-                                 state_pairs=pairs or None)
+                                 state_pairs=pairs or None, dist_inputs=args.dist_inputs, **spaces)
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
         console.print(f"  {old} -> {new}")

@@ -167,6 +167,8 @@ def logp_of_given_actions(policy, obs_feeds: Mapping[str, np.ndarray], actions: 
         sl = slice(start, start + batch_size)
         feed_dict = {policy.inputs[k]: v[sl] for k, v in obs_feeds.items()}
         feed_dict.update({t: v[sl] for t, v in feeds_all.items()})
+        if "explore" in policy.inputs:  # score them as samples (some policies report 0 when not exploring)
+            feed_dict[policy.inputs["explore"]] = True
         out.append(policy.session.run(policy.outputs["action_logp"], feed_dict))
     return np.concatenate(out), keep
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.exporter.devices import DevicePlan
+from policy_export.exporter.trust import check_graph_def
 from policy_export.policy.errors import ExportError, InputError
 from policy_export.policy.tf_policy import session_config
 
@@ -47,6 +48,7 @@ class FrozenGraphRunner:
             graph_def.ParseFromString(path.read_bytes())
         except Exception as e:  # protobuf raises its own DecodeError
             raise ExportError(f"{path} is not a serialized GraphDef: {e}") from e
+        check_graph_def(graph_def, str(path))  # before any of its ops can run
         self.graph = tf.Graph()
         with self.graph.as_default(), tf.device(device.tf_device):
             tf.graph_util.import_graph_def(graph_def, name="")

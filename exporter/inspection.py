@@ -45,14 +45,24 @@ def onnx_contract(path: Path) -> Contract:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError, ValidationError, OSError...
         raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
-    stored = contract_from_model(model)
+    try:
+        stored = contract_from_model(model)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise ExportError(f"{path}: the contract in its metadata is not valid: {type(e).__name__}: {e}") from e
     if stored is not None:
         return stored
     initializers = {i.name: i for i in model.graph.initializer}
 
     def spec(value_info, is_input: bool) -> TensorSpec:
+        if value_info.type.WhichOneof("value") != "tensor_type":
+            raise ExportError(f"{path}: {value_info.name!r} is a {value_info.type.WhichOneof('value')} value, "
+                              "not a tensor; only tensor inputs and outputs are supported")
         t = value_info.type.tensor_type
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{path}: {value_info.name!r} has element type {t.elem_type}, "
+                              "which has no numpy dtype") from e
         shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
         if is_input and value_info.name in initializers:
             default = json_default(numpy_helper.to_array(initializers[value_info.name]))
@@ -90,6 +100,9 @@ def saved_model_contract(path: Path, signature_key: str = "serving_default", tag
     """
     import tensorflow as tf
 
+    from policy_export.exporter.trust import check_saved_model
+
+    check_saved_model(path)
     meta = saved_model_meta_graph(path, tag)
     if signature_key not in meta.signature_def:
         raise ExportError(f"{path} has no signature {signature_key!r}; it has {sorted(meta.signature_def)}")
@@ -97,7 +110,13 @@ def saved_model_contract(path: Path, signature_key: str = "serving_default", tag
     nodes = {n.name: n for n in meta.graph_def.node}
 
     def spec(key: str, info, is_input: bool) -> TensorSpec:
-        dtype = np.dtype(tf.dtypes.as_dtype(info.dtype).as_numpy_dtype).name
+        try:
+            tf_dtype = tf.dtypes.as_dtype(info.dtype)
+            if tf_dtype in (tf.resource, tf.variant):
+                raise TypeError(f"{tf_dtype.name} is a handle, not a tensor of values")
+            dtype = np.dtype(tf_dtype.as_numpy_dtype).name
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{path}: signature {signature_key!r} {key!r} has dtype {info.dtype}: {e}") from e
         shape = () if info.tensor_shape.unknown_rank else tuple(
             None if d.size < 0 else int(d.size) for d in info.tensor_shape.dim)
         node = nodes.get(info.name.split(":")[0])

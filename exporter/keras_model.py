@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.trust import check_saved_model
 from policy_export.policy.errors import ExportError
 
 DIRNAME = "keras"
@@ -124,7 +125,11 @@ class KerasRunner:
         self.output_names = output_names
         try:
             if path.is_dir():
-                loaded = tf.saved_model.load(str(path))
+                from policy_export.exporter.saved_model import glob_free_path
+
+                check_saved_model(path)
+                with glob_free_path(path) as alias:
+                    loaded = tf.saved_model.load(str(alias))
                 self._fn = loaded.signatures["serving_default"]
                 self._model = None
                 self._keep = loaded

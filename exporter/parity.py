@@ -26,6 +26,7 @@ DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
 DEFAULT_SAMPLES = 1000
 DEFAULT_BATCH = 256
+LARGE_BOUND = 1e6  # float Box bounds beyond this are sampled as unbounded (see sampling_space)
 
 Runner = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 
@@ -140,13 +141,32 @@ class ParityReport:
                    dict(obj.get("errors", {})), exploration)
 
 
+def sampling_space(space: gym.Space) -> gym.Space:
+    """The space a leaf is sampled from: itself, except that a float Box bound beyond
+    ``+-LARGE_BOUND`` counts as unbounded on that side. Gymnasium then samples that component from
+    a standard normal (both sides unbounded) or as the finite bound plus or minus a standard
+    exponential (one side), instead of uniformly over a range like RLlib's +-3.4e38."""
+    if not isinstance(space, gym.spaces.Box) or not np.issubdtype(space.dtype, np.floating):
+        return space
+    low, high = space.low.astype(np.float64), space.high.astype(np.float64)
+    if not np.any(np.isfinite(low) & (low < -LARGE_BOUND)) and not np.any(np.isfinite(high) & (high > LARGE_BOUND)):
+        return space
+    low = np.where(low < -LARGE_BOUND, -np.inf, low).astype(space.dtype)
+    high = np.where(high > LARGE_BOUND, np.inf, high).astype(space.dtype)
+    return gym.spaces.Box(low, high, space.shape, space.dtype)
+
+
 def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "observations") -> dict[str, np.ndarray]:
-    """``n`` observations drawn with gymnasium's sampler (seeded), split into leaf arrays by key."""
+    """``n`` observations drawn with gymnasium's sampler (seeded) from each leaf's
+    :func:`sampling_space`, split into leaf arrays by key."""
     out: dict[str, np.ndarray] = {}
     for i, leaf in enumerate(leaves(space)):
-        sub = leaf.space
+        sub = sampling_space(leaf.space)
         sub.seed(seed + i)
-        out[leaf.key(prefix)] = np.stack([np.asarray(sub.sample()) for _ in range(n)]).astype(leaf_dtype(sub))
+        values = np.stack([np.asarray(sub.sample()) for _ in range(n)]).astype(leaf_dtype(leaf.space))
+        if sub is not leaf.space:
+            values = np.clip(values, leaf.space.low, leaf.space.high)
+        out[leaf.key(prefix)] = values
     return out
 
 

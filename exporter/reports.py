@@ -25,6 +25,10 @@ def _tolerance(r: OutputParity) -> str:
 def parity_table(report: ParityReport, title: str):
     """A rich Table with one row per format and output."""
     from rich.table import Table
+    from rich.text import Text
+
+    def plain(value: object) -> Text:  # user-derived text (keys, formats) is never read as markup
+        return Text(_one_line(value))
 
     table = Table(title=title, title_justify="left")
     for column in ("format", "output", "dtype", "shape", "max abs", "max rel", "atol/rtol", "min atol", "result"):
@@ -32,15 +36,24 @@ def parity_table(report: ParityReport, title: str):
     for r in report.records:
         result = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
         shape = "x".join(str(d) for d in r.shape)
-        table.add_row(r.format, r.key, r.dtype, shape, _fmt(r.max_abs_err), _fmt(r.max_rel_err),
+        table.add_row(plain(r.format), plain(r.key), plain(r.dtype), shape, _fmt(r.max_abs_err), _fmt(r.max_rel_err),
                       _tolerance(r), "-" if r.exact else _fmt(r.min_atol_to_pass), result)
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
         ok = all(c.passed for c in checks)
-        table.add_row(f"{fmt} (explore)", key, "samples", f"{len(checks)} tests x {worst.samples}",
+        table.add_row(plain(f"{fmt} (explore)"), plain(key), "samples", f"{len(checks)} tests x {worst.samples}",
                       f"p {worst.p_value:.2g}", "", f"p >= {worst.threshold:.1e}", "",
                       "[green]pass[/green]" if ok else "[bold red]FAIL[/bold red]")
     return table
+
+
+def _one_line(value: object) -> str:
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(value))
+
+
+def _md(value: object) -> str:
+    """A Markdown table cell: one line, pipes escaped."""
+    return _one_line(value).replace("|", "\\|")
 
 
 def _group_exploration(report: ParityReport) -> dict[tuple[str, str], list]:
@@ -95,14 +108,14 @@ def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[s
     """A Markdown table for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``)."""
     status = "passed" if report.passed and not file_problems else "FAILED"
     lines = [f"### {title}: {status}", ""]
-    lines += [f"- {p}" for p in file_problems]
-    lines += [f"- {fmt}: {message}" for fmt, message in report.errors.items()]
+    lines += [f"- {_one_line(p)}" for p in file_problems]
+    lines += [f"- {_one_line(fmt)}: {_one_line(message)}" for fmt, message in report.errors.items()]
     lines += ["", "| format | output | max abs err | max rel err | tolerance | result |", "|---|---|---|---|---|---|"]
     for r in report.records:
-        lines.append(f"| {r.format} | {r.key} | {_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | "
+        lines.append(f"| {_md(r.format)} | {_md(r.key)} | {_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | "
                      f"{_tolerance(r)} | {'pass' if r.passed else 'FAIL'} |")
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
-        lines.append(f"| {fmt} (explore) | {key} | min p {worst.p_value:.2g} over {len(checks)} tests | | "
+        lines.append(f"| {_md(fmt)} (explore) | {_md(key)} | min p {worst.p_value:.2g} over {len(checks)} tests | | "
                      f"p >= {worst.threshold:.1e} | {'pass' if all(c.passed for c in checks) else 'FAIL'} |")
     return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ import numpy as np
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.parity import Tolerances
-from policy_export.policy.errors import ExportError, InputError
+from policy_export.policy.errors import CheckFailedError, ExportError, InputError
 from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
 from policy_export.signatures.contract import Contract
 
@@ -111,14 +111,19 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
     ``saved_model``, ``frozen_graph``, ``onnx`` and ``onnx_deterministic``; the first is the reference.
 
     Raises:
+        CheckFailedError: a file of the export is changed, missing, extra or not a regular file
+            (nothing is loaded then).
         ExportError: ``out`` is not an export, or lacks one of the formats.
         InputError: the environment is unknown, its spaces do not match the export's, or
             ``formats`` names fewer than two formats or one that cannot play.
     """
-    from policy_export.exporter.api import load_runner
+    from policy_export.exporter.api import check_export_files, load_runner
 
     out = Path(out)
     doc = manifest.read_manifest(out)
+    problems = check_export_files(out, doc).problems
+    if problems:  # never load a model whose files failed their hash check
+        raise CheckFailedError(f"{out} failed its file check, nothing was loaded: " + "; ".join(problems))
     if episodes < 1:
         raise InputError(f"episodes must be at least 1, got {episodes}")
     formats = list(formats or DEFAULT_FORMATS)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,7 @@ import tensorflow as tf
 
 from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.exporter.devices import DevicePlan
+from policy_export.exporter.trust import check_saved_model
 from policy_export.policy.errors import ExportError, InputError
 from policy_export.policy.tf_policy import session_config
 from policy_export.signatures.builder import SERVING_KEY
@@ -35,15 +39,45 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     return FormatRecord("saved_model", (target.name,), {"tags": [TAG], "signature": SERVING_KEY})
 
 
+_GLOB_CHARS = frozenset("*?[]{}\\")
+
+
+@contextlib.contextmanager
+def glob_free_path(path: Path) -> Iterator[Path]:
+    """``path``, or while in use a symbolic link to it without glob characters.
+
+    TensorFlow looks checkpoints up by glob pattern, so a SavedModel under a directory named like
+    ``exp_[1]`` would not load from its own path.
+    """
+    path = Path(path).absolute()
+    if not _GLOB_CHARS & set(str(path)):
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="policy-export-load-"))
+    try:
+        link = tmp / "model"
+        link.symlink_to(path, target_is_directory=True)
+        yield link
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class SavedModelRunner:
     """Loads a SavedModel into a fresh graph and runs its signature by key."""
 
     def __init__(self, path: Path, device: DevicePlan, signature_key: str = SERVING_KEY, tags=(TAG,)):
+        """Check the SavedModel's ops (:func:`exporter.trust.check_saved_model`), then load it.
+
+        Raises:
+            UnsafeModelError: the SavedModel holds an op that may not be loaded (nothing is run).
+            ExportError: not a loadable SavedModel, or no such signature.
+        """
+        check_saved_model(path)
         self.graph = tf.Graph()
         self.session = tf1.Session(graph=self.graph, config=session_config(device.tf_device))
         try:
-            with self.graph.as_default(), tf.device(device.tf_device):
-                meta = tf1.saved_model.loader.load(self.session, list(tags), str(path))
+            with self.graph.as_default(), tf.device(device.tf_device), glob_free_path(path) as alias:
+                meta = tf1.saved_model.loader.load(self.session, list(tags), str(alias))
         except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
             raise ExportError(f"{path} is not a loadable SavedModel with tags {list(tags)}: {e}") from e
         if signature_key not in meta.signature_def:

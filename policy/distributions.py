@@ -137,9 +137,10 @@ class DiagGaussian:
         z = (actions - self.mean) / tf.exp(self.log_std)
         return tf.reduce_sum(-0.5 * tf.square(z) - self.log_std, axis=-1) - 0.5 * math.log(2.0 * math.pi) * self.size
 
-    def postprocess(self, actions: tf.Tensor) -> tf.Tensor:
-        """Clip to the finite bounds, reshape to the space's shape, cast to its dtype."""
-        if np.isfinite(self.low).any() or np.isfinite(self.high).any():
+    def postprocess(self, actions: tf.Tensor, clip: bool = True) -> tf.Tensor:
+        """Clip to the finite bounds (unless ``clip`` is false), reshape to the space's shape, cast
+        to its dtype."""
+        if clip and (np.isfinite(self.low).any() or np.isfinite(self.high).any()):
             low = np.where(np.isfinite(self.low), self.low, np.finfo(np.float32).min)
             high = np.where(np.isfinite(self.high), self.high, np.finfo(np.float32).max)
             actions = tf.clip_by_value(actions, low, high)
@@ -197,5 +198,8 @@ class ActionDistribution:
         terms = [p.logp(a) for p, a in zip(self.parts, actions)]
         return terms[0] if len(terms) == 1 else tf.add_n(terms)
 
-    def postprocess(self, actions: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [p.postprocess(a) for p, a in zip(self.parts, actions)]
+    def postprocess(self, actions: list[tf.Tensor], clip: bool = True) -> list[tf.Tensor]:
+        """Each leaf's actions in its space's shape and dtype; Box actions clipped to the space's
+        finite bounds unless ``clip`` is false (RLlib's policies return them unclipped)."""
+        return [p.postprocess(a, clip) if isinstance(p, DiagGaussian) else p.postprocess(a)
+                for p, a in zip(self.parts, actions)]

@@ -19,34 +19,48 @@ import numpy as np
 from policy_export.policy.errors import WeightsError
 from policy_export.policy.models import weight_key
 
+MAX_WEIGHTS_BYTES = 2 << 30  # declared size of all weights read from one file
+_NUMERIC_KINDS = "biufc"
 
-def read_h5_weights(path: str | Path) -> dict[str, np.ndarray]:
+
+def read_h5_weights(path: str | Path,
+                    expected_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
     """All weights in an h5 file, keyed ``layer/weight``, in file order.
 
+    With ``expected_shapes``, a weight that is not expected or has another shape is not read: it
+    comes back as a zero-strided array of its declared shape (no memory is allocated), so the
+    caller can report the mismatch.
+
+    Only data inside the file is read: external links, external dataset storage and virtual
+    datasets are refused, and every dataset's declared shape and dtype are checked (numeric,
+    :data:`MAX_WEIGHTS_BYTES` in all) before any is read.
+
     Raises:
-        WeightsError: the file is missing, is not HDF5, or is not in Keras's weights layout.
+        WeightsError: the file is missing, is not HDF5, is not in Keras's weights layout, or
+            refers to data outside itself or beyond the size limit.
     """
     path = Path(path)
     if not path.is_file():
         raise WeightsError(str(path), ["file not found"])
     try:
         with h5py.File(path, "r") as f:
-            root = f["model_weights"] if "model_weights" in f else f
+            root = _member(f, "model_weights", path) if "model_weights" in f else f
             if "layer_names" not in root.attrs:
                 raise WeightsError(str(path), ["not a Keras weights file (no 'layer_names' attribute)"])
-            out: dict[str, np.ndarray] = {}
+            found: list[tuple[str, h5py.Dataset]] = []
             for layer in _strings(root.attrs["layer_names"]):
-                if layer not in root:
+                group = _member(root, layer, path)
+                if group is None:
                     raise WeightsError(str(path), [f"layer {layer!r} is listed but has no group"])
-                group = root[layer]
                 for name in _strings(group.attrs.get("weight_names", [])):
-                    if name not in group:
+                    data = _member(group, name, path)
+                    if data is None:
                         raise WeightsError(str(path), [f"weight {name!r} of layer {layer!r} is listed but missing"])
-                    data = group[name]
                     if not isinstance(data, h5py.Dataset):
                         raise WeightsError(str(path), [f"weight {name!r} of layer {layer!r} is not an array"])
-                    out[weight_key(layer, name)] = np.asarray(data[()])
-            return out
+                    found.append((weight_key(layer, name), data))
+            _check_datasets(found, path, expected_shapes)
+            return {key: _read(data, key, expected_shapes) for key, data in found}
     except WeightsError:
         raise
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -83,6 +97,52 @@ def write_h5_weights(path: str | Path, weights: Mapping[str, np.ndarray]) -> Pat
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _member(group, name: str, path: Path):
+    """``group[name]`` (``None`` if absent), following only links that stay inside the file."""
+    node = group
+    for part in [p for p in name.split("/") if p]:
+        if part not in node:
+            return None
+        link = node.get(part, getlink=True)
+        if isinstance(link, h5py.ExternalLink):
+            raise WeightsError(str(path), [f"{name!r} is an external link to {link.filename}:{link.path}; "
+                                           "only data inside the file is read"])
+        if isinstance(link, h5py.SoftLink) and not isinstance(node.get(part, default=None), (h5py.Group, h5py.Dataset)):
+            raise WeightsError(str(path), [f"{name!r} is a dangling link"])
+        node = node[part]
+        if node.file.id != group.file.id:
+            raise WeightsError(str(path), [f"{name!r} leads outside the file"])
+    return node
+
+
+def _read(data: "h5py.Dataset", key: str, expected_shapes: Mapping[str, tuple[int, ...]] | None) -> np.ndarray:
+    if expected_shapes is not None and tuple(expected_shapes.get(key, ())) != tuple(data.shape):
+        return np.broadcast_to(np.zeros((), data.dtype), data.shape)  # declared shape only; nothing read
+    return np.asarray(data[()])
+
+
+def _check_datasets(found: list[tuple[str, "h5py.Dataset"]], path: Path,
+                    expected_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse external storage, virtual datasets, non-numeric data and a total size over the limit."""
+    total = 0
+    for key, data in found:
+        if data.external:
+            raise WeightsError(str(path), [f"weight {key!r} keeps its data in external file(s) "
+                                           f"{[e[0] for e in data.external]}; only data inside the file is read"])
+        if data.is_virtual:
+            raise WeightsError(str(path), [f"weight {key!r} is a virtual dataset; only data inside the file is read"])
+        if data.dtype.kind not in _NUMERIC_KINDS or data.dtype.fields is not None:
+            raise WeightsError(str(path), [f"weight {key!r} has dtype {data.dtype}, not a numeric array"])
+        if data.shape is None:
+            raise WeightsError(str(path), [f"weight {key!r} has no shape (an empty dataset)"])
+        if expected_shapes is not None and tuple(expected_shapes.get(key, ())) != tuple(data.shape):
+            continue  # not read
+        total += int(np.prod(data.shape, dtype=object)) * data.dtype.itemsize
+        if total > MAX_WEIGHTS_BYTES:
+            raise WeightsError(str(path), [f"weights declare more than the limit of {MAX_WEIGHTS_BYTES >> 20} MiB "
+                                           f"(at {key!r}, shape {data.shape})"])
 
 
 def _strings(values: Iterable) -> list[str]:

@@ -19,6 +19,13 @@ import numpy as np
 from policy_export.policy.errors import SpecError, UnsupportedSpaceError
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+# size limits, checked before anything is allocated (a spec or manifest is untrusted input)
+MAX_ELEMENTS = 1 << 24  # elements of one Box or MultiBinary leaf, and of a whole space
+MAX_CATEGORIES = 1 << 20  # Discrete n, each MultiDiscrete entry, and their sum (the width of the logits)
+MAX_DEPTH = 32  # Dict/Tuple nesting
+MAX_LEAVES = 1024
+MAX_SAMPLE_BYTES = 4 << 30  # samples x bytes of one observation, for parity samples
+MAX_SAMPLES = 1_000_000  # parity samples (and exploration draws per observation)
 SPACE_TYPES = ("Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
 BOX_DTYPES = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64")
 
@@ -158,6 +165,8 @@ def _bound_to_json(bound: np.ndarray, dtype: Any) -> Any:
 
 
 def _num_to_json(x: Any, dtype: Any) -> Any:
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return int(x)  # exact, whatever its size
     x = np.asarray(x).astype(dtype)[()] if np.issubdtype(np.dtype(dtype), np.floating) else x
     if math.isinf(float(x)):
         return "inf" if x > 0 else "-inf"
@@ -187,19 +196,57 @@ def space_from_json(obj: Any, path: str = "$", source: str = "<spec>") -> gym.Sp
         UnsupportedSpaceError: for a gymnasium type the package cannot export.
     """
     problems = _Problems()
-    space = _parse_space(obj, path, problems)
-    if problems.items:
-        raise SpecError(source, problems.items)
-    assert space is not None  # no problems means a space was built
+    space = parse_space(obj, path, problems)
+    if problems.items or space is None:
+        raise SpecError(source, problems.items or [(path, "not a space")])
     return space
 
 
 def parse_space(obj: Any, path: str, problems: _Problems) -> gym.Space | None:
-    """Like :func:`space_from_json` but adds problems to ``problems`` instead of raising."""
-    return _parse_space(obj, path, problems)
+    """Like :func:`space_from_json` but adds problems to ``problems`` instead of raising.
+
+    Sizes are capped (:data:`MAX_ELEMENTS`, :data:`MAX_CATEGORIES`, :data:`MAX_DEPTH`,
+    :data:`MAX_LEAVES`) before anything is allocated; a problem names the limit.
+    """
+    space = _parse_space(obj, path, problems, 0)
+    if space is None:
+        return None
+    found = list(leaves(space))
+    if len(found) > MAX_LEAVES:
+        problems.add(path, f"{len(found)} leaf spaces exceed the limit of {MAX_LEAVES}")
+        return None
+    total = sum(leaf_elements(leaf.space) for leaf in found)
+    if total > MAX_ELEMENTS:
+        problems.add(path, f"{total} elements in one sample exceed the limit of {MAX_ELEMENTS}")
+        return None
+    return space
 
 
-def _parse_space(obj: Any, path: str, problems: _Problems) -> gym.Space | None:
+def leaf_elements(space: gym.Space) -> int:
+    """Elements of one sample of a leaf space (Discrete: 1)."""
+    return math.prod(int(d) for d in space.shape)
+
+
+def check_sample_budget(samples: int, space: gym.Space, what: str = "samples") -> None:
+    """Refuse more than :data:`MAX_SAMPLES` samples, or samples of ``space`` beyond :data:`MAX_SAMPLE_BYTES`.
+
+    Raises:
+        InputError: naming the limit and the largest sample count that fits.
+    """
+    from policy_export.policy.errors import InputError
+
+    if samples > MAX_SAMPLES:
+        raise InputError(f"{what} {samples} exceeds the limit of {MAX_SAMPLES}")
+    per_sample = max(1, sum(leaf_elements(leaf.space) * leaf_dtype(leaf.space).itemsize for leaf in leaves(space)))
+    if samples * per_sample > MAX_SAMPLE_BYTES:
+        raise InputError(f"{what} {samples} x {per_sample} bytes per observation exceed the limit of "
+                         f"{MAX_SAMPLE_BYTES >> 20} MiB; use at most {MAX_SAMPLE_BYTES // per_sample}")
+
+
+def _parse_space(obj: Any, path: str, problems: _Problems, depth: int = 0) -> gym.Space | None:
+    if depth > MAX_DEPTH:
+        problems.add(path, f"spaces nested deeper than the limit of {MAX_DEPTH}")
+        return None
     if not isinstance(obj, dict):
         problems.add(path, f"expected an object describing a space, got {_kind(obj)}")
         return None
@@ -225,7 +272,7 @@ def _parse_space(obj: Any, path: str, problems: _Problems) -> gym.Space | None:
         "Dict": _parse_dict,
         "Tuple": _parse_tuple,
     }[kind]
-    space = builder(obj, path, problems)
+    space = builder(obj, path, problems, depth) if kind in ("Dict", "Tuple") else builder(obj, path, problems)
     return space if len(problems.items) == before else None
 
 
@@ -234,14 +281,19 @@ def _parse_box(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
     if dtype not in BOX_DTYPES:
         problems.add(f"{path}.dtype", f"expected one of {', '.join(BOX_DTYPES)}, got {dtype!r}")
         return None
+    dt = np.dtype(dtype)
     shape = obj.get("shape")
     if shape is not None and not (
         isinstance(shape, list) and all(_is_int(d) and d > 0 for d in shape)
     ):
         problems.add(f"{path}.shape", f"expected a list of positive integers, got {shape!r}")
         return None
-    low = _parse_bound(obj["low"], f"{path}.low", problems)
-    high = _parse_bound(obj["high"], f"{path}.high", problems)
+    if shape is not None and (len(shape) > MAX_DEPTH or math.prod(shape) > MAX_ELEMENTS):
+        problems.add(f"{path}.shape", f"{shape} exceeds the limit of {MAX_ELEMENTS} elements (rank {MAX_DEPTH})")
+        return None
+    parse = _parse_int_bound if np.issubdtype(dt, np.integer) else _parse_bound
+    low = parse(obj["low"], f"{path}.low", problems, dt)
+    high = parse(obj["high"], f"{path}.high", problems, dt)
     if low is None or high is None:
         return None
     if shape is None:
@@ -259,43 +311,86 @@ def _parse_box(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
         idx = tuple(int(i) for i in np.argwhere(low_b > high_b)[0])
         problems.add(path, f"low > high at index {list(idx)} ({low_b[idx]} > {high_b[idx]})")
         return None
-    if np.issubdtype(np.dtype(dtype), np.integer):
-        if not (np.all(np.isfinite(low_b)) and np.all(np.isfinite(high_b))):
-            problems.add(path, f"an integer Box ({dtype}) needs finite bounds")
-            return None
-        info = np.iinfo(np.dtype(dtype))
-        if low_b.min() < info.min or high_b.max() > info.max:
-            problems.add(path, f"bounds [{low_b.min():g}, {high_b.max():g}] do not fit {dtype} [{info.min}, {info.max}]")
-            return None
-        if np.any(low_b != np.round(low_b)) or np.any(high_b != np.round(high_b)):
-            problems.add(path, f"an integer Box ({dtype}) needs whole-number bounds")
-            return None
-    dt = np.dtype(dtype)
     return gym.spaces.Box(low=low_b.astype(dt), high=high_b.astype(dt), shape=tuple(shape), dtype=dt)
 
 
-def _parse_bound(value: Any, path: str, problems: _Problems) -> np.ndarray | None:
+def _bound_array(value: Any, path: str, problems: _Problems) -> np.ndarray | None:
+    """A number or nested list as an object array of its elements (not converted yet)."""
+    if not isinstance(value, list):
+        return np.array(value, dtype=object)
+    try:
+        arr = np.array(value, dtype=object)
+    except ValueError:
+        arr = None
+    if arr is None or arr.ndim == 0 or arr.size == 0 or any(isinstance(v, list) for v in arr.flat):
+        problems.add(path, f"expected a number, 'inf', '-inf' or a nested list of them, got {_kind(value)}")
+        return None
+    if arr.size > MAX_ELEMENTS:
+        problems.add(path, f"{arr.size} bound values exceed the limit of {MAX_ELEMENTS}")
+        return None
+    return arr
+
+
+def _parse_bound(value: Any, path: str, problems: _Problems, dtype: np.dtype = np.dtype(np.float64)) -> np.ndarray | None:
+    """Float bounds; a finite value the dtype cannot hold (it would become inf) is refused."""
     def conv(v: Any) -> float:
         if isinstance(v, str) and v in ("inf", "+inf", "-inf", "Infinity", "-Infinity"):
             return -math.inf if v.startswith("-") else math.inf
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(v)
-        if math.isnan(v):
+        if isinstance(v, float) and math.isnan(v):
             raise ValueError(v)
         return float(v)
 
+    arr = _bound_array(value, path, problems)
+    if arr is None:
+        return None
     try:
-        if isinstance(value, list):
-            arr = np.vectorize(conv, otypes=[np.float64])(np.array(value, dtype=object))
-            if arr.dtype == object or arr.ndim == 0 or arr.size == 0:
-                raise TypeError(value)
-            return arr
-        return np.asarray(conv(value), dtype=np.float64)
+        out = np.array([conv(v) for v in arr.flat], dtype=np.float64).reshape(arr.shape)
     except ValueError:
         problems.add(path, "NaN is not a valid bound")
-    except TypeError:
-        problems.add(path, f"expected a number, 'inf', '-inf' or a nested list of them, got {value!r}")
-    return None
+        return None
+    except (TypeError, OverflowError):
+        problems.add(path, f"expected a number, 'inf', '-inf' or a nested list of them, got {_shorten(value)}")
+        return None
+    limit = float(np.finfo(dtype).max) if np.issubdtype(dtype, np.floating) else math.inf
+    with np.errstate(over="ignore"):  # a value that rounds to the dtype's largest (what _num_to_json writes) fits
+        bad = np.isfinite(out) & ~np.isfinite(out.astype(dtype))
+    if bad.any():
+        problems.add(path, f"bound {out[bad].flat[0]:g} does not fit {dtype.name} (largest finite value {limit:g}); "
+                           "use 'inf' or '-inf' for an unbounded side")
+        return None
+    return out
+
+
+def _parse_int_bound(value: Any, path: str, problems: _Problems, dtype: np.dtype) -> np.ndarray | None:
+    """Integer bounds, kept exact (no float round trip) and checked against the dtype's range."""
+    arr = _bound_array(value, path, problems)
+    if arr is None:
+        return None
+    info = np.iinfo(dtype)
+    values = []
+    for v in arr.flat:
+        if isinstance(v, str) and v.lstrip("+-") in ("inf", "Infinity"):
+            problems.add(path, f"an integer Box ({dtype.name}) needs finite bounds")
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+            problems.add(path, f"expected whole numbers for an integer Box ({dtype.name}), got {_shorten(value)}")
+            return None
+        if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+            problems.add(path, f"an integer Box ({dtype.name}) needs whole-number bounds, got {v!r}")
+            return None
+        n = int(v)
+        if not info.min <= n <= info.max:
+            problems.add(path, f"bounds do not fit {dtype.name} [{info.min}, {info.max}]: {n}")
+            return None
+        values.append(n)
+    return np.array(values, dtype=dtype).reshape(arr.shape)
+
+
+def _shorten(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _parse_discrete(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
@@ -304,8 +399,14 @@ def _parse_discrete(obj: dict, path: str, problems: _Problems) -> gym.Space | No
     if not (_is_int(n) and n > 0):
         problems.add(f"{path}.n", f"expected a positive integer, got {n!r}")
         ok = False
+    elif n > MAX_CATEGORIES:
+        problems.add(f"{path}.n", f"{n} exceeds the limit of {MAX_CATEGORIES} categories")
+        ok = False
     if not _is_int(start):
         problems.add(f"{path}.start", f"expected an integer, got {start!r}")
+        ok = False
+    elif ok and not (_INT64.min <= start and start + n - 1 <= _INT64.max):
+        problems.add(f"{path}.start", f"actions {start}..{start + n - 1} do not fit int64 [{_INT64.min}, {_INT64.max}]")
         ok = False
     return gym.spaces.Discrete(n, start=start) if ok else None
 
@@ -313,25 +414,33 @@ def _parse_discrete(obj: dict, path: str, problems: _Problems) -> gym.Space | No
 def _parse_multidiscrete(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
     nvec = obj["nvec"]
     if not (isinstance(nvec, list) and nvec and all(_is_int(v) and v > 0 for v in nvec)):
-        problems.add(f"{path}.nvec", f"expected a non-empty list of positive integers, got {nvec!r}")
+        problems.add(f"{path}.nvec", f"expected a non-empty list of positive integers, got {_shorten(nvec)}")
+        return None
+    if sum(nvec) > MAX_CATEGORIES:
+        problems.add(f"{path}.nvec", f"{sum(nvec)} categories in all exceed the limit of {MAX_CATEGORIES}")
         return None
     return gym.spaces.MultiDiscrete(nvec)
 
 
 def _parse_multibinary(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
     n = obj["n"]
-    if _is_int(n) and n > 0:
-        return gym.spaces.MultiBinary(n)
-    if isinstance(n, list) and n and all(_is_int(v) and v > 0 for v in n):
+    ok = (_is_int(n) and n > 0) or (isinstance(n, list) and n and all(_is_int(v) and v > 0 for v in n))
+    if ok and (math.prod(n) if isinstance(n, list) else n) > MAX_ELEMENTS:
+        problems.add(f"{path}.n", f"{n} exceeds the limit of {MAX_ELEMENTS} elements")
+        return None
+    if ok:
         return gym.spaces.MultiBinary(n)
     problems.add(f"{path}.n", f"expected a positive integer or list of them, got {n!r}")
     return None
 
 
-def _parse_dict(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+def _parse_dict(obj: dict, path: str, problems: _Problems, depth: int = 0) -> gym.Space | None:
     subs = obj["spaces"]
     if not (isinstance(subs, dict) and subs):
         problems.add(f"{path}.spaces", f"expected a non-empty object of spaces, got {_kind(subs)}")
+        return None
+    if len(subs) > MAX_LEAVES:
+        problems.add(f"{path}.spaces", f"{len(subs)} spaces exceed the limit of {MAX_LEAVES}")
         return None
     parsed = {}
     for name, sub in subs.items():
@@ -339,21 +448,46 @@ def _parse_dict(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
             problems.add(f"{path}.spaces", f"key {name!r} must be letters, digits, '_', '.' or '-' "
                                           "(it becomes part of a tensor name)")
             continue
-        parsed[name] = _parse_space(sub, f"{path}.spaces.{name}", problems)
+        parsed[name] = _parse_space(sub, f"{path}.spaces.{name}", problems, depth + 1)
     if any(v is None for v in parsed.values()) or len(parsed) != len(subs):
         return None
-    return gym.spaces.Dict(parsed)
+    space = gym.spaces.Dict(parsed)
+    return space if _names_distinct(space, path, problems) else None
 
 
-def _parse_tuple(obj: dict, path: str, problems: _Problems) -> gym.Space | None:
+def _parse_tuple(obj: dict, path: str, problems: _Problems, depth: int = 0) -> gym.Space | None:
     subs = obj["spaces"]
     if not (isinstance(subs, list) and subs):
         problems.add(f"{path}.spaces", f"expected a non-empty list of spaces, got {_kind(subs)}")
         return None
-    parsed = [_parse_space(s, f"{path}.spaces[{i}]", problems) for i, s in enumerate(subs)]
+    if len(subs) > MAX_LEAVES:
+        problems.add(f"{path}.spaces", f"{len(subs)} spaces exceed the limit of {MAX_LEAVES}")
+        return None
+    parsed = [_parse_space(s, f"{path}.spaces[{i}]", problems, depth + 1) for i, s in enumerate(subs)]
     if any(p is None for p in parsed):
         return None
-    return gym.spaces.Tuple(parsed)
+    space = gym.spaces.Tuple(parsed)
+    return space if _names_distinct(space, path, problems) else None
+
+
+def leaf_name(leaf: Leaf) -> str:
+    """The tensor-name-safe form of a leaf's nest path (``a.b`` and ``a_b`` both give ``a_b``)."""
+    return "_".join(re.sub(r"\W", "_", p) for p in leaf.path)
+
+
+def _names_distinct(space: gym.Space, path: str, problems: _Problems) -> bool:
+    """Leaves whose names collide once made tensor-name safe (e.g. ``a.b`` and ``a_b``) are refused."""
+    seen: dict[str, str] = {}
+    for leaf in leaves(space):
+        name, where = leaf_name(leaf), "/".join(leaf.path)
+        if name in seen and seen[name] != where:
+            problems.add(path, f"keys {seen[name]!r} and {where!r} both become {name!r} in tensor names; rename one")
+            return False
+        seen[name] = where
+    return True
+
+
+_INT64 = np.iinfo(np.int64)
 
 
 def _is_int(v: Any) -> bool:

@@ -9,6 +9,7 @@ Every problem in a file is reported at once, each with its JSON path and what wa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import gymnasium as gym
 
 from policy_export.policy.errors import SpecError
-from policy_export.policy.spaces import _Problems, _is_int, parse_space, space_to_json
+from policy_export.policy.spaces import _Problems, _is_int, leaves, parse_space, space_to_json
 
 FORMAT_VERSION = 1
 SPEC_FILE = "policy.json"
@@ -26,6 +27,14 @@ _TOP_REQUIRED = {"format_version", "name", "observation_space", "action_space", 
 _TOP_OPTIONAL = {"weights", "seed"}
 _MODEL_KEYS = {"hiddens", "activation", "conv_filters", "lstm"}
 _LSTM_KEYS = {"cell_size", "max_seq_len", "use_prev_action", "use_prev_reward"}
+# size limits, checked before TensorFlow builds anything (errors name the limit)
+MAX_SPEC_BYTES = 16 << 20
+MAX_LAYERS = 64
+MAX_WIDTH = 1 << 16  # units of a dense layer, filters of a conv layer
+MAX_KERNEL = 64  # conv kernel side and stride
+MAX_LSTM_CELL = 4096
+MAX_SEQ_LEN = 100_000
+MAX_PARAMETERS = 1 << 28  # estimated weights of the dense layers and LSTM (1 GiB as float32)
 
 
 @dataclass(frozen=True)
@@ -94,9 +103,17 @@ def load_spec(path: str | Path) -> PolicySpec:
     path = Path(path)
     file = path / SPEC_FILE if path.is_dir() else path
     if not file.is_file():
-        raise SpecError(str(file), [("$", "file not found")])
+        found = file.exists() or file.is_symlink()
+        raise SpecError(str(file), [("$", "not a regular file" if found else "file not found")])
     try:
+        size = file.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(str(file), [("$", f"{size} bytes exceed the limit of {MAX_SPEC_BYTES} for a spec file")])
         obj = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SpecError(str(file), [("$", f"cannot be read: {e.strerror or e}")]) from e
+    except RecursionError as e:
+        raise SpecError(str(file), [("$", "JSON nested too deeply")]) from e
     except UnicodeDecodeError as e:
         raise SpecError(str(file), [("$", f"not UTF-8 text ({e.reason})")]) from e
     except json.JSONDecodeError as e:
@@ -137,6 +154,8 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
     act = parse_space(obj["action_space"], "$.action_space", problems) if "action_space" in obj else None
     model = _parse_model(obj["model"], problems) if "model" in obj else None
 
+    if not problems.items and model is not None:
+        _check_parameters(obs, act, model, problems)
     if problems.items:
         raise SpecError(source, problems.items)
     return PolicySpec(
@@ -154,6 +173,8 @@ def _parse_model(obj: Any, problems: _Problems) -> ModelConfig | None:
     hiddens = obj.get("hiddens", [256, 256])
     if not (isinstance(hiddens, list) and all(_is_int(h) and h > 0 for h in hiddens)):
         problems.add("$.model.hiddens", f"expected a list of positive integers, got {hiddens!r}")
+    elif len(hiddens) > MAX_LAYERS or any(h > MAX_WIDTH for h in hiddens):
+        problems.add("$.model.hiddens", f"at most {MAX_LAYERS} layers of at most {MAX_WIDTH} units, got {hiddens!r}")
     activation = obj.get("activation", "tanh")
     if activation not in ACTIVATIONS:
         problems.add("$.model.activation", f"expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
@@ -178,6 +199,10 @@ def _parse_conv(obj: Any, problems: _Problems) -> tuple:
         if not ok:
             problems.add(f"$.model.conv_filters[{i}]", f"expected [filters, [kh, kw], stride] of positive integers, got {item!r}")
             continue
+        if item[0] > MAX_WIDTH or max(*item[1], item[2]) > MAX_KERNEL or i >= MAX_LAYERS:
+            problems.add(f"$.model.conv_filters[{i}]", f"at most {MAX_LAYERS} layers of at most {MAX_WIDTH} filters, "
+                                                      f"kernel sides and stride at most {MAX_KERNEL}, got {item!r}")
+            continue
         out.append((item[0], (item[1][0], item[1][1]), item[2]))
     return tuple(out)
 
@@ -189,14 +214,44 @@ def _parse_lstm(obj: Any, problems: _Problems) -> LstmConfig | None:
     for key in sorted(obj.keys() - _LSTM_KEYS):
         problems.add(f"$.model.lstm.{key}", f"unknown key; allowed: {', '.join(sorted(_LSTM_KEYS))}")
     cfg = LstmConfig(**{k: v for k, v in obj.items() if k in _LSTM_KEYS})
-    for key in ("cell_size", "max_seq_len"):
+    for key, limit in (("cell_size", MAX_LSTM_CELL), ("max_seq_len", MAX_SEQ_LEN)):
         v = getattr(cfg, key)
         if not (_is_int(v) and v > 0):
             problems.add(f"$.model.lstm.{key}", f"expected a positive integer, got {v!r}")
+        elif v > limit:
+            problems.add(f"$.model.lstm.{key}", f"{v} exceeds the limit of {limit}")
     for key in ("use_prev_action", "use_prev_reward"):
         if not isinstance(getattr(cfg, key), bool):
             problems.add(f"$.model.lstm.{key}", f"expected true or false, got {getattr(cfg, key)!r}")
     return cfg
+
+
+def _input_width(space: gym.Space, conv: bool) -> int:
+    """Width of the flattened, one-hot encoded observation fed to the first dense layer (images with conv: 0)."""
+    width = 0
+    for leaf in leaves(space):
+        s = leaf.space
+        if isinstance(s, gym.spaces.Discrete):
+            width += int(s.n)
+        elif isinstance(s, gym.spaces.MultiDiscrete):
+            width += int(sum(int(v) for v in s.nvec))
+        elif not (conv and len(s.shape) == 3):
+            width += math.prod(int(d) for d in s.shape)
+    return width
+
+
+def _check_parameters(obs: gym.Space, act: gym.Space, model: ModelConfig, problems: _Problems) -> None:
+    """Refuse a model whose dense and LSTM weights (estimated) exceed :data:`MAX_PARAMETERS`."""
+    widths = [max(1, _input_width(obs, bool(model.conv_filters))), *model.hiddens]
+    params = sum(a * b for a, b in zip(widths, widths[1:]))
+    if model.lstm is not None:
+        c = model.lstm.cell_size
+        params += 4 * c * (c + widths[-1] + _input_width(act, False) + 1)
+        widths.append(c)
+    params += widths[-1] * max(1, 2 * _input_width(act, False))
+    if params > MAX_PARAMETERS:
+        problems.add("$.model", f"about {params} weights exceed the limit of {MAX_PARAMETERS}; use smaller layers "
+                                "or a smaller observation")
 
 
 def write_spec(spec: PolicySpec, directory: str | Path) -> Path:

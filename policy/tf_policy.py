@@ -355,7 +355,9 @@ class TFPolicy:
         Raises:
             WeightsError: unreadable file, or every weight that is missing, extra or misshapen.
         """
-        weights = h5io.read_h5_weights(path)
+        # weights the policy does not expect, or of another shape, are reported without being read
+        shapes = {key: tuple(var.shape.as_list()) for key, var in self._variables}
+        weights = h5io.read_h5_weights(path, expected_shapes=shapes)
         self._assign(self._check_weights(weights, str(path), allow_non_finite))
 
     def export_weights_h5(self, path: str | Path) -> Path:

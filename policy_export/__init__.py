@@ -26,6 +26,7 @@ _EXPORTS = {
         "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",
     ),
     "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
+    "policy_export.policy.rllib": ("from_rllib",),
     "policy_export.exporter.api": (
         "export_policy", "export_spec", "verify_export", "ExportResult", "VerifyResult",
         "ParityFailedError", "ALL_FORMATS",

@@ -79,7 +79,7 @@ def test_existing_non_export_directory_is_never_replaced(tmp_path):
     precious = tmp_path / "data"
     precious.mkdir()
     (precious / "thesis.txt").write_text("years of work")
-    with pytest.raises(ExportError, match="holds no export"):
+    with pytest.raises(ExportError, match="holds no valid policy-export manifest"):
         with staged_directory(precious, overwrite=True):
             pass
     assert (precious / "thesis.txt").read_text() == "years of work"
@@ -145,7 +145,7 @@ def test_verify_checks_a_swapped_onnx_file_before_loading(tmp_path, exports):
     proc = cli("verify", str(copy), "--report-json", str(tmp_path / "r.json"))
     assert proc.returncode == 1
     report = json.loads((tmp_path / "r.json").read_text())
-    assert "not a valid ONNX model" in report["errors"]["onnx"]
+    assert report["errors"]["onnx"] == "not loaded: its files failed the hash check"  # never loaded
     assert "changed file model.onnx (sha256 differs from the manifest)" in report["file_problems"]
 
 
@@ -260,9 +260,12 @@ def test_glob_characters_in_the_name_touch_no_other_export(tmp_path):
 
 
 def test_an_export_killed_between_its_renames_gets_its_old_export_back(tmp_path):
+    from policy_export.exporter.staging import MARKER
+
     old = tmp_path / ".out.old-xyz"
     old.mkdir()
     (old / "manifest.json").write_text('{"old": true}')
+    (old / MARKER).write_text(json.dumps({"tool": "policy-export", "role": "old", "target": "out"}))
     with pytest.raises(ExportError):  # no --overwrite: the restored export stays
         with staged_directory(tmp_path / "out") as stage:
             (stage / "manifest.json").write_text("{}")
@@ -319,7 +322,15 @@ def test_verify_reports_broken_golden_files_and_unknown_formats_as_failed_checks
     report = json.loads((tmp_path / "r.json").read_text())
     assert "changed file parity/inputs.npz (sha256 differs from the manifest)" in report["file_problems"]
     assert "unknown format 'tflite'" in report["errors"]["tflite"]
-    assert "onnx" in report["errors"]  # the truncated inputs no longer fit the model
+    assert report["errors"]["parity"] == "golden files not loaded: they failed the hash check"
+    assert report["records"] == []  # nothing ran on inputs that failed their hash
+    from policy_export.exporter.manifest import file_records
+
+    doc["files"] = file_records(copy)  # re-signed: the golden files load, and no longer fit the model
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    proc = cli("verify", str(copy), "--report-json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stderr
+    assert "onnx" in json.loads((tmp_path / "r.json").read_text())["errors"]
 
 
 def test_recurrent_inputs_are_checked_like_feed_forward_ones(policies):
