@@ -434,6 +434,15 @@ def _cmd_convert(args, console) -> int:
         pairs.append((a, b))
     spaces = {name: _space_option(getattr(args, name), f"--{name.replace('_', '-')}")
               for name in ("observation_space", "action_space")}
+    if args.samples < 1:
+        raise InputError(f"--samples must be at least 1, got {args.samples}")
+    if spaces["observation_space"] is not None:
+        _check_samples(args, spaces["observation_space"])
+    else:  # the observation space is known only once the model is read; the count alone is capped now
+        from policy_export.policy.spaces import MAX_SAMPLES
+
+        if args.samples > MAX_SAMPLES:
+            raise InputError(f"--samples {args.samples} exceeds the limit of {MAX_SAMPLES}")
     _heavy_imports(args)
     from policy_export.exporter.convert import convert_saved_model
     from policy_export.exporter.reports import parity_table

@@ -173,6 +173,40 @@ def logp_of_given_actions(policy, obs_feeds: Mapping[str, np.ndarray], actions: 
     return np.concatenate(out), keep
 
 
+def rounding_allowance(action_space: gym.Space, dist_inputs: np.ndarray, actions: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per row, how far the log-density of the returned actions may lie from that of the sample
+    it was computed for, because the sample was rounded to a Box dtype coarser than float32.
+
+    A format's ``action_logp`` is the density of its float32 sample; the action it returns is that
+    sample rounded to float16, and the session can only score the rounded value. With the
+    diagonal Gaussian's mean and log-std from ``dist_inputs``, rounding by at most half an ulp
+    moves the log-density by at most ``|a - mean| / std**2 * h + h**2 / (2 std**2)`` per component.
+    Zero for float32 and float64 Boxes and for discrete leaves.
+    """
+    from policy_export.policy.distributions import distribution_class
+
+    rows = len(dist_inputs)
+    allowance = np.zeros(rows)
+    offset = 0
+    for i, leaf in enumerate(leaves(action_space)):
+        width = distribution_class(leaf.space).required_inputs(leaf.space)
+        if isinstance(leaf.space, gym.spaces.Box) and np.dtype(leaf.space.dtype).itemsize < 4:
+            returned = np.asarray(actions[f"actions_{i}"]).reshape(rows, -1)
+            a = returned.astype(np.float64)
+            mean, log_std = np.split(np.asarray(dist_inputs[:, offset:offset + width], np.float64), 2, axis=-1)
+            half_ulp = np.spacing(np.abs(returned)).astype(np.float64) / 2
+            var = np.exp(2 * log_std)
+            allowance += np.sum(np.abs(a - mean) / var * half_ulp + half_ulp**2 / (2 * var), axis=1)
+        offset += width
+    return allowance
+
+
+def within_allowance(reference: np.ndarray, actual: np.ndarray, allowance: np.ndarray) -> np.ndarray:
+    """``actual`` moved toward ``reference`` by at most ``allowance`` (what the tolerance then judges)."""
+    actual = np.asarray(actual, np.float64)
+    return actual + np.clip(np.asarray(reference, np.float64) - actual, -allowance, allowance)
+
+
 def summarize(checks: Sequence[ExplorationCheck]) -> dict[str, Any]:
     """Counts and the smallest p-value, for the manifest."""
     if not checks:

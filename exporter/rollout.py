@@ -134,7 +134,7 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
     act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", str(out))
     try:
         envs = {f: gym.make(env_id) for f in formats}
-    except (gym.error.Error, ModuleNotFoundError, AttributeError, ValueError) as e:
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as e:  # module:Env ids import
         raise InputError(f"cannot make environment {env_id!r}: {e}") from e
     runners = {}
     try:

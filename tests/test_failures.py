@@ -91,8 +91,28 @@ def test_full_disk_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setitem(api._WRITERS, "onnx", (full_disk, "model.onnx"))
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ExportError, match="No space left on device; nothing was left behind"):
         export_policy(policies("cartpole_mlp"), tmp_path / "out", samples=32, explore_samples=0, device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_in_the_real_onnx_writer_is_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
+    import onnx
+
+    from policy_export.exporter import cli
+
+    def full_disk(model, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(onnx, "save_model", full_disk)
+    out = tmp_path / "out"
+    code = cli.main(["export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(out), "--samples", "16",
+                     "--explore-samples", "0", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "No space left on device" in err and "model" in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -117,8 +117,9 @@ def test_rollout_refuses_an_environment_with_other_spaces(exports):
     _, out = exports("cartpole_mlp")
     with pytest.raises(InputError, match="do not match"):
         rollout(out, "Pendulum-v1", episodes=1, device="cpu")
-    with pytest.raises(InputError, match="cannot make environment"):
-        rollout(out, "NoSuchEnv-v9", episodes=1, device="cpu")
+    for env_id in ("NoSuchEnv-v9", "no_such_module:Env-v0", "CartPole-v99"):
+        with pytest.raises(InputError, match="cannot make environment"):
+            rollout(out, env_id, episodes=1, device="cpu")
 
 
 

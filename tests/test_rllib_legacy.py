@@ -279,3 +279,15 @@ def test_lstm_swapped_state_pairs_do_not_reproduce_rllib():
         assert not np.allclose(got["state_out_0"], expected["state_out_0"][1], atol=ATOL)
     finally:
         policy.close()
+
+
+@pytest.mark.parametrize("samples, fragment", [("0", "at least 1"), ("1000000000", "exceeds the limit")])
+def test_convert_caps_samples_before_loading(tmp_path, samples, fragment, capsys):
+    from policy_export.exporter import cli as cli_module
+
+    out = tmp_path / "out"
+    code = cli_module.main(["convert", str(LEGACY / "cartpole_ff" / "saved_model"), "--out", str(out),
+                            "--samples", samples])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err
+    assert not out.exists()

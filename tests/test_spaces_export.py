@@ -211,3 +211,33 @@ def test_two_sample_tests_agree_with_scipy_stats():
     statistic, p_value = ks_two_sample(a, b)
     assert statistic == pytest.approx(expected.statistic, abs=1e-12)
     assert p_value == pytest.approx(expected.pvalue, rel=0.05)  # limiting vs finite-n distribution
+
+
+F16_SPEC = {"format_version": 1, "name": "f16", "observation_space": {"type": "Box", "low": -1, "high": 1, "shape": [3]},
+            "action_space": {"type": "Box", "low": -2, "high": 2, "shape": [2], "dtype": "float16"},
+            "model": {"hiddens": [8]}, "seed": 1}
+
+
+def test_float16_box_actions_pass_exploration_parity(tmp_path):
+    policy = TFPolicy.from_spec(spec_from_json(F16_SPEC))
+    result = export_policy(policy, tmp_path / "f16", formats=["saved_model", "onnx"], samples=200, device="cpu")
+    logp = [r for r in result.parity.records if r.key == "action_logp of its samples"]
+    assert result.parity.passed and len(logp) == 2 and all(r.passed for r in logp)
+    assert all(r.max_abs_err <= 1e-5 for r in logp)
+
+
+def test_float16_logp_check_still_catches_a_wrong_logp(tmp_path, monkeypatch):
+    real = onnx_model.OnnxRunner.__call__
+
+    def off(self, feeds):
+        out = real(self, feeds)
+        if bool(np.asarray(feeds.get("explore", False))):
+            out["action_logp"] = out["action_logp"] + np.float32(0.01)  # far beyond what rounding explains
+        return out
+
+    monkeypatch.setattr(onnx_model.OnnxRunner, "__call__", off)
+    policy = TFPolicy.from_spec(spec_from_json(F16_SPEC))
+    with pytest.raises(ParityFailedError) as info:
+        export_policy(policy, tmp_path / "f16", formats=["onnx"], samples=200, device="cpu")
+    failed = [f for f in info.value.report.failures() if getattr(f, "key", "") == "action_logp of its samples"]
+    assert failed and failed[0].format == "onnx (explore)" and failed[0].max_abs_err > 5e-3
