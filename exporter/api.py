@@ -24,14 +24,15 @@ from policy_export.exporter import frozen_graph, keras_model, manifest, onnx_mod
 from policy_export.exporter.context import (
     ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,  # noqa: F401 (re-exported)
 )
-from policy_export.exporter.devices import DevicePlan, plan_devices
+from policy_export.exporter.devices import TF32_TOLERANCE, DevicePlan, plan_devices
 from policy_export.exporter.exploration import (
     DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, compare_samples, logp_of_given_actions, repeated_observations,
     rounding_allowance, sample_actions, within_allowance,
 )
 from policy_export.exporter.exploration import summarize as summarize_exploration
 from policy_export.exporter.parity import (
-    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerances, compare, compare_arrays, run_batched, sample_inputs,
+    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerance, Tolerances, compare, compare_arrays, run_batched,
+    sample_inputs,
 )
 from policy_export.exporter.staging import check_target, staged_directory
 from policy_export.exporter.stepped import (
@@ -66,6 +67,15 @@ def _disk_errors(out: Path):
         reason = e.strerror or str(e)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         raise ExportError(f"writing the export {out} failed: {reason}{where}; nothing was left behind") from e
+
+
+def tf32_tolerances(tolerances: Tolerances, plan: DevicePlan) -> Tolerances:
+    """``tolerances`` with the default raised to at least :data:`TF32_TOLERANCE` where TF32 is
+    allowed and a GPU computes (per-output tolerances stay as given); unchanged otherwise."""
+    if not plan.tf32_active:
+        return tolerances
+    default = Tolerance(max(tolerances.default.atol, TF32_TOLERANCE), max(tolerances.default.rtol, TF32_TOLERANCE))
+    return Tolerances(default, dict(tolerances.per_output))
 
 
 def check_export_files(out: Path, doc: Mapping[str, Any]) -> manifest.FileCheck:
@@ -163,8 +173,8 @@ def export_policy(
     check_sample_budget(samples, policy.observation_space, "samples")
     check_sample_budget(explore_samples * DEFAULT_OBSERVATIONS, policy.observation_space,
                         f"explore_samples {explore_samples} x {DEFAULT_OBSERVATIONS} observations:")
-    plan = device if isinstance(device, DevicePlan) else plan_devices(device)
-    tolerances = tolerances or Tolerances()
+    plan = plan_devices(device)
+    tolerances = tf32_tolerances(tolerances or Tolerances(), plan)
     out = Path(out)
     check_target(out.absolute(), overwrite)
 
@@ -262,7 +272,7 @@ def verify_export(
         problems.insert(0, f"changed file {manifest.MANIFEST} (sha256 {digest} is not the expected {pin}); "
                            "nothing was loaded")
     plan = plan_devices(device)
-    tolerances = tolerances or Tolerances.from_json(doc["tolerances"])
+    tolerances = tf32_tolerances(tolerances or Tolerances.from_json(doc["tolerances"]), plan)
     contract = Contract.from_json(doc["contract"])
     _check_tolerance_keys(tolerances, contract, doc)
     report = ParityReport("golden_outputs", 0, seed, _device_info(plan))

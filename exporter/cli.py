@@ -35,8 +35,15 @@ def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> 
                    help="tolerance for one output; repeatable")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
+    _tf32_option(p)
     p.add_argument("--report-json", metavar="F", help="write the parity report as JSON to F")
     p.add_argument("--junit", metavar="F", help="write JUnit XML (one test case per format and output) to F")
+
+
+def _tf32_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="let GPUs compute float32 matmuls in TF32 (off by default, in TF and ONNX Runtime alike); "
+                        "the default tolerance then becomes at least 1e-2")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--opset", type=int, default=17, metavar="N")
     co.add_argument("--samples", type=int, default=1000, metavar="N")
     co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    _tf32_option(co)
     co.add_argument("--overwrite", action="store_true")
     co.add_argument("--state", action="append", default=[], metavar="IN_KEY=OUT_KEY",
                     help="pair a state input with its output, in order (repeat); default: natural order of names")
@@ -109,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes (default 10)")
     ro.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the first episode (default 0)")
     ro.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    _tf32_option(ro)
     ro.add_argument("--report-json", metavar="F", help="write the rollout report as JSON to F")
     ro.add_argument("--formats", default=None, metavar="LIST",
                     help="comma-separated formats that play, the first is the reference "
@@ -246,6 +255,13 @@ def _check_tolerance_keys(args, doc) -> None:
             raise InputError(f"--tolerance {item!r}: {key!r} is not an output of the export; outputs are {outputs}")
 
 
+def _device_plan(args):
+    """The device plan of a command: ``--device`` with TF32 pinned off unless ``--allow-tf32``."""
+    from policy_export.exporter.devices import plan_devices
+
+    return plan_devices(args.device, allow_tf32=args.allow_tf32)
+
+
 def _heavy_imports(args) -> None:
     """Import TensorFlow and friends quietly; called after the cheap input checks."""
     from policy_export.exporter.quiet import quiet_libraries
@@ -281,7 +297,7 @@ def _cmd_export(args, console) -> int:
     from policy_export.exporter.reports import parity_table
 
     try:
-        result = export_spec(args.spec, args.out, device=args.device, formats=formats, opset=args.opset,
+        result = export_spec(args.spec, args.out, device=_device_plan(args), formats=formats, opset=args.opset,
                              samples=args.samples, seed=args.seed, tolerances=tolerances,
                              overwrite=args.overwrite, explore_samples=args.explore_samples,
                              inputs_as_nchw=args.inputs_as_nchw)
@@ -321,7 +337,7 @@ def _cmd_verify(args, console) -> int:
     from policy_export.exporter.api import verify_export
     from policy_export.exporter.reports import parity_table
 
-    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=args.device, tolerances=tolerances,
+    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args), tolerances=tolerances,
                            expect_manifest_sha256=args.expect_manifest_sha256)
     _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
     devices = result.parity.devices
@@ -448,7 +464,7 @@ def _cmd_convert(args, console) -> int:
     from policy_export.exporter.reports import parity_table
 
     result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
-                                 device=args.device, opset=args.opset, samples=args.samples, overwrite=args.overwrite,
+                                 device=_device_plan(args), opset=args.opset, samples=args.samples, overwrite=args.overwrite,
                                  state_pairs=pairs or None, dist_inputs=args.dist_inputs, **spaces)
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
@@ -484,7 +500,7 @@ def _cmd_rollout(args, console) -> int:
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
 
-    report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=args.device,
+    report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=_device_plan(args),
                      formats=formats)
     ref, others = report.reference, report.formats[1:]
     table = Table(title=f"rollout {escape(str(args.out))} in {escape(args.env)} (deterministic actions; "

@@ -227,12 +227,14 @@ def check_file(path: Path) -> None:
 
 
 def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                      optimization: str = "all"):
+                      optimization: str = "all", provider_options: list[dict[str, str]] | None = None):
     """An ``onnxruntime.InferenceSession`` for an exported model, with the options that matter.
 
     ``threads``: intra- and inter-op threads (``1`` gives the lowest latency for small policies
     at small batches; ``None`` keeps ONNX Runtime's default, one per core). ``optimization``:
     ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (graph optimisation level).
+    ``provider_options``: one dict per provider (e.g. ``DevicePlan.ort_provider_options()``, which
+    pins the CUDA provider's ``use_tf32``).
 
     Raises:
         ExportError: an unknown optimisation level, or a file ONNX Runtime cannot load.
@@ -252,7 +254,10 @@ def inference_session(path: str | Path, providers: list[str] | None = None, thre
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = threads
     try:
-        return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+        providers = providers or ["CPUExecutionProvider"]
+        if provider_options is not None:
+            return ort.InferenceSession(str(path), options, providers=providers, provider_options=provider_options)
+        return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
 
@@ -266,7 +271,9 @@ class OnnxRunner:
 
     def __init__(self, path: Path, device: DevicePlan, threads: int | None = None):
         check_file(path)
-        self.session = inference_session(path, list(device.ort_providers), threads)
+        self.session = inference_session(path, list(device.ort_providers), threads,
+                                         provider_options=device.ort_provider_options())
+        self.provider_options = self.session.get_provider_options()
         self.providers = self.session.get_providers()
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
         self.input_types.update({i.name: i.type for i in self.session.get_overridable_initializers()})
