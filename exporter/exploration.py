@@ -6,8 +6,9 @@ actions for them, and per observation and action component a two-sample test ask
 two sets of samples come from one distribution:
 
 - discrete components (Discrete, MultiDiscrete, MultiBinary): chi-square test of homogeneity on
-  the category counts (Pearson's statistic, no continuity correction, as
-  ``scipy.stats.chi2_contingency`` computes it for tables larger than 2x2);
+  the category counts, as ``scipy.stats.chi2_contingency`` computes it: Pearson's statistic,
+  with Yates' continuity correction for a 2x2 table (one degree of freedom) and none for larger
+  tables;
 - continuous components (Box): two-sample Kolmogorov-Smirnov test, the p-value from the limiting
   Kolmogorov distribution (``scipy.special.kolmogorov``), with the difference of means and of
   standard deviations reported beside it.

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-
 from policy_export.policy.distributions import ActionDistribution
 from policy_export.policy.errors import InputError, UnsupportedSpaceError
+from policy_export.policy.graph import ActionResult, deterministic_path, session_config, unflatten
 from policy_export.policy.models import ModelInput, build_recurrent_model, model_inputs, preprocess
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.spec import ModelConfig, PolicySpec
@@ -85,7 +85,6 @@ def _select_actions(dist: ActionDistribution, explore: tf.Tensor):
 
 def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     """Build a recurrent :class:`TFPolicy` (see the module docstring)."""
-    from policy_export.policy.tf_policy import deterministic_path, session_config
 
     lstm = spec.model.lstm
     act_leaves = list(leaves(spec.action_space))
@@ -184,7 +183,6 @@ def _training_graph(spec: PolicySpec, rm, specs: Sequence[ModelInput], act_leaf,
 def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, seq_lens, explore: bool,
                              timestep) -> Any:
     """:meth:`TFPolicy.compute_actions` for recurrent policies (the training-time graph)."""
-    from policy_export.policy.tf_policy import ActionResult, unflatten
 
     graph = policy.sequence_graph
     feeds = policy.observation_feeds(obs)

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import tensorflow as tf
-
 from policy_export.policy import h5io
 from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
 from policy_export.policy.errors import InputError, PolicyExportError, WeightsError
+from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy's public vocabulary)
+    ACTION_DIST_INPUTS,
+    ACTION_LOGP,
+    ACTION_PROB,
+    ActionResult,
+    deterministic_path,
+    session_config,
+    unflatten,
+)
 from policy_export.policy.models import build_model, model_inputs, named_weights, preprocess
-from policy_export.policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves, nest_from_leaves
+from policy_export.policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves
 from policy_export.policy.spec import PolicySpec
 
 tf1 = tf.compat.v1
@@ -37,23 +44,8 @@ log = logging.getLogger(__name__)
 
 OBSERVATIONS = "observations"
 EXPLORE, IS_TRAINING, TIMESTEP = "explore", "is_training", "timestep"
-ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB = "action_dist_inputs", "action_logp", "action_prob"
 SEQ_LENS, PREV_ACTION, PREV_REWARD = "seq_lens", "prev_action", "prev_reward"
 SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
-
-
-@dataclass(frozen=True)
-class ActionResult:
-    """What :meth:`TFPolicy.compute_actions` returns.
-
-    ``actions``: a batch array for a flat action space; for Dict/Tuple spaces the same nest
-    (dict/tuple) of batch arrays. ``fetches``: every output of the policy, keyed by signature key
-    (``actions_0..`` in gymnasium's flatten order).
-    """
-
-    actions: Any
-    state_out: list[np.ndarray] = field(default_factory=list)
-    fetches: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class TFPolicy:
@@ -416,33 +408,6 @@ class TFPolicy:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
-
-
-def deterministic_path(dist, dist_inputs: tf.Tensor, extra: Mapping[str, tf.Tensor] | None = None) -> dict[str, tf.Tensor]:
-    """Output tensors of the deterministic path alone: no random ops, no explore switch."""
-    with tf1.name_scope("deterministic"):
-        det = dist.deterministic_sample()
-        logp = dist.logp(det)
-        out = {f"actions_{i}": tf.identity(a) for i, a in enumerate(dist.postprocess(det))}
-        out.update(extra or {})
-        out.update({ACTION_DIST_INPUTS: tf.identity(dist_inputs), ACTION_LOGP: tf.identity(logp),
-                    ACTION_PROB: tf.exp(logp)})
-    return out
-
-
-def unflatten(space: gym.Space, arrays: Sequence[np.ndarray]) -> Any:
-    """Leaf arrays in flatten order -> the space's nest (dict/tuple) of arrays; one leaf stays bare."""
-    return nest_from_leaves(space, list(arrays))
-
-
-def session_config(device: str | None) -> tf1.ConfigProto:
-    """Session options: soft placement; no GPU at all when ``device`` is a CPU device."""
-    config = tf1.ConfigProto(allow_soft_placement=True)
-    if device is not None and "CPU" in device.upper():
-        config.device_count["GPU"] = 0
-    else:
-        config.gpu_options.allow_growth = True
-    return config
 
 
 def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:
