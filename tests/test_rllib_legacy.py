@@ -17,7 +17,7 @@ from policy_export.exporter.convert import convert_saved_model, load_saved_model
 from policy_export.policy.spaces import space_from_json
 
 LEGACY = Path(__file__).resolve().parent.parent / "fixtures" / "rllib" / "legacy"
-FEED_FORWARD = ["cartpole_ff", "pendulum_box", "dict_obs"]
+FEED_FORWARD = ["cartpole_ff", "pendulum_box", "dict_obs", "multidiscrete"]
 FETCHES = ["action_dist_inputs", "action_logp", "action_prob", "vf_preds"]
 TRAINING_OPS = {"ResourceApplyAdam", "ApplyAdam", "SparseSoftmaxCrossEntropyWithLogitsGrad", "BroadcastGradientArgs"}
 ATOL = 1e-5
