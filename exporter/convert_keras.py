@@ -87,15 +87,18 @@ def select_dist_inputs(outputs: dict[str, Any], width: int, key: str | None, act
     def describe() -> str:
         return ", ".join(f"{k} {_fmt(s)}" for k, s in sorted(outputs.items()))
 
+    def fits(shape) -> bool:
+        return shape is not None and len(shape) >= 2 and shape[-1] == width and all(d == 1 for d in shape[1:-1])
+
     if key is not None:
         if key not in outputs:
             raise ExportError(f"--dist-inputs {key!r} is not an output of the model; outputs: {describe()}")
         shape = outputs[key]
-        if shape is None or len(shape) != 2 or shape[-1] != width:
+        if not fits(shape):
             raise ExportError(f"output {key!r} {_fmt(shape)} cannot hold the distribution inputs of {action_space}: "
-                              f"they need shape [batch, {width}]")
+                              f"they need shape [batch, {width}] (or [batch, 1, 1, {width}] from a conv net)")
         return key
-    candidates = sorted(k for k, s in outputs.items() if s is not None and len(s) == 2 and s[-1] == width)
+    candidates = sorted(k for k, s in outputs.items() if fits(s))
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
@@ -268,7 +271,9 @@ def _build_policy(path: Path, graph_def, sig, in_info, dist_key: str, obs_space:
         except (ValueError, tf.errors.OpError) as e:
             raise ExportError(f"cannot import the frozen graph of {path}: {e}") from e
         outputs = dict(zip(out_keys, values))
-        dist_inputs = tf.identity(outputs[dist_key], name=ACTION_DIST_INPUTS)
+        # RLlib's vision nets end in a 1x1 conv: [batch, 1, 1, n], squeezed by the model's forward()
+        width = outputs[dist_key].shape[-1]
+        dist_inputs = tf.reshape(outputs[dist_key], (-1, width), name=ACTION_DIST_INPUTS)
         dist = ActionDistribution(dist_inputs, action_space)
         raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
         raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]

@@ -20,7 +20,9 @@ import pytest
 from conftest import FIXTURES_DIR
 
 KERAS_DIR = FIXTURES_DIR / "rllib" / "keras"
-CASES = ["cartpole_ff", "pendulum_box", "dict_obs"]
+CASES = ["cartpole_ff", "pendulum_box", "dict_obs", "image_conv"]
+# the model's (distribution inputs, value) outputs: RLlib's fully connected and vision networks
+OUTPUTS = {"image_conv": ("conv_out", "lambda")}
 SCRIPT = Path(sys.executable).parent / "policy-export"
 
 
@@ -84,7 +86,7 @@ def test_fixture_is_rllib_keras_base_model(case):
 
     model = KERAS_DIR / case / "model"
     assert is_keras_base_model(model)
-    assert sorted(signature_outputs(model)) == ["fc_out", "value_out"]
+    assert sorted(signature_outputs(model)) == sorted(OUTPUTS.get(case, ("fc_out", "value_out")))
     size = sum(f.stat().st_size for f in (KERAS_DIR / case).rglob("*") if f.is_file())
     assert size < 1_000_000
 
@@ -96,7 +98,8 @@ def test_convert_reproduces_rllib_compute_actions(case, converted):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["parity"]["passed"] is True
     assert manifest["source"]["kind"] == "keras_base_model"
-    assert manifest["source"]["key_mapping"]["action_dist_inputs"] == "fc_out"
+    dist_key, value_key = OUTPUTS.get(case, ("fc_out", "value_out"))
+    assert manifest["source"]["key_mapping"]["action_dist_inputs"] == dist_key
     for model in ("model.onnx", "model_deterministic.onnx"):
         got = run_required_only(out / model, exp)
         if doc["action_space"]["type"] == "Discrete":
@@ -109,7 +112,7 @@ def test_convert_reproduces_rllib_compute_actions(case, converted):
             np.testing.assert_allclose(got["action_logp"], exp["action_logp"], rtol=0, atol=1e-5)
             np.testing.assert_allclose(got["action_prob"], exp["action_prob"], rtol=0, atol=1e-5)
             np.testing.assert_allclose(got["action_dist_inputs"], exp["action_dist_inputs"], rtol=0, atol=1e-5)
-            np.testing.assert_allclose(got["value_out"].reshape(-1), exp["vf_preds"], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(got[value_key].reshape(-1), exp["vf_preds"], rtol=0, atol=1e-5)
 
 
 def test_explored_logp_is_the_samples_log_probability(converted):
