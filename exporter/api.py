@@ -139,7 +139,9 @@ def export_policy(
     only if parity passes. ``inputs_as_nchw`` makes the ONNX model take rank-4 image inputs as
     NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
     get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
-    ``source`` is recorded in the manifest (e.g. what a converted model came from).
+    ``source`` is recorded in the manifest (e.g. what a converted model came from). The parity
+    plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
+    ``parity/`` so that :func:`verify_export` replays it.
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.

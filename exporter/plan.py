@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.exporter import manifest
-from policy_export.exporter.exploration import compare_samples, sample_actions
+from policy_export.exporter.exploration import compare_samples, repeated_observations, sample_actions
 from policy_export.exporter.parity import ParityReport, Runner, Tolerances, compare, layout_record
 from policy_export.exporter.stepped import compare_stepped, run_stepped
 from policy_export.policy.errors import ExportError
@@ -63,7 +63,7 @@ class ExplorationPlan:
 
     def feeds(self) -> dict[str, np.ndarray]:
         """The probe observations, each repeated ``draws_per_observation`` times (row-major)."""
-        return {k: np.repeat(v, self.draws_per_observation, axis=0) for k, v in self.probe.items()}
+        return repeated_observations(self.probe, self.observations, self.observations * self.draws_per_observation)
 
     @classmethod
     def make(cls, run: Runner, probe: Mapping[str, np.ndarray], samples: int, action_space: gym.Space,
@@ -185,10 +185,6 @@ class ParityPlan:
     golden_outputs: dict[str, np.ndarray]
     exploration: ExplorationPlan | None = None
     stepped: SteppedPlan | None = None
-
-    def files(self) -> list[str]:
-        return [GOLDEN_INPUTS, GOLDEN_OUTPUTS] + ([EXPLORATION] if self.exploration else []) + (
-            [STEPPED] if self.stepped else [])
 
     def describe(self) -> list[str]:
         """One line per part: what is replayed, or why a part is absent."""

@@ -393,3 +393,21 @@ def test_a_bad_candidate_flag_is_exit_2(exports, tmp_path, capsys, flag, fragmen
     assert code == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_outputs_allowed_to_be_non_finite_are_recorded_and_checked(tmp_path, capsys):
+    from policy_export.exporter import export_spec
+    from policy_export.exporter.api import verify_export
+    from policy_export.policy.errors import InputError
+
+    allowed = Tolerances(allow_non_finite=frozenset({"action_logp"}))
+    with pytest.raises(InputError, match="unknown output"):
+        export_spec(FIXTURES_DIR / "cartpole_mlp", tmp_path / "bad", device="cpu", formats=["onnx"],
+                    tolerances=Tolerances(allow_non_finite=frozenset({"no_such_output"})))
+    out = tmp_path / "e"
+    export_spec(FIXTURES_DIR / "cartpole_mlp", out, device="cpu", formats=["saved_model", "onnx"], samples=100,
+                explore_samples=400, tolerances=allowed)
+    assert manifest.read_manifest(out)["tolerances"]["allow_non_finite"] == ["action_logp"]
+    assert verify_export(out, device="cpu").passed
+    code, _ = verify_cli(str(out), "--allow-non-finite", "nope", tmp_path=tmp_path)
+    assert code == 2 and "'nope' is not an output" in capsys.readouterr().err
