@@ -227,6 +227,39 @@ def test_verify_fails_an_onnx_model_whose_sampled_actions_were_shifted(exports, 
     assert report["file_problems"] == []
 
 
+def shift_gaussian_noise(path: Path, shift: float) -> None:
+    """Add ``shift`` to the standard normal noise the explore branch draws (RandomNormalLike's output)."""
+    model = onnx.load(str(path))
+    found = 0
+    for node in model.graph.node:
+        for sub in [a.g for a in node.attribute if a.HasField("g")]:
+            for index, inner in enumerate(list(sub.node)):
+                if inner.op_type != "RandomNormalLike":
+                    continue
+                noise = inner.output[0]
+                inner.output[0] = "noise_raw"
+                sub.node.insert(index + 1, helper.make_node("Add", ["noise_raw", "noise_shift"], [noise]))
+                sub.node.insert(index + 1, helper.make_node("Constant", [], ["noise_shift"], value=numpy_helper.from_array(
+                    np.array(shift, np.float32), "noise_shift_v")))
+                found += 1
+    assert found == 1, "expected one RandomNormalLike in the explore branch"
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
+def test_verify_fails_an_onnx_model_whose_gaussian_noise_was_shifted(exports, tmp_path):
+    export = copy_of(exports, "pendulum_mlp", tmp_path)
+    shift_gaussian_noise(export / "model.onnx", 0.5)  # half a standard deviation
+    resign(export)
+    code, report = verify_cli(str(export), tmp_path=tmp_path)
+    assert code == 1
+    assert all(r["passed"] for r in records(report, "onnx"))  # deterministic outputs untouched
+    explore = [c for c in report["exploration"] if c["format"] == "onnx"]
+    assert explore and not all(c["passed"] for c in explore)
+    assert all(c["test"] == "two-sample Kolmogorov-Smirnov" for c in explore)
+    assert all(c["passed"] for c in report["exploration"] if c["format"] != "onnx")
+
+
 def test_verify_fails_a_deterministic_model_returning_int32_actions(exports, tmp_path):
     export = copy_of(exports, "cartpole_mlp", tmp_path)
     path = export / "model_deterministic.onnx"
