@@ -317,7 +317,8 @@ def _stored_replay(out: Path, doc: Mapping[str, Any], check: manifest.FileCheck,
 
 def _fresh_samples(out: Path, doc: Mapping[str, Any], plan: DevicePlan, samples: int, seed: int,
                    checks: replay.Replay, report: ParityReport, candidates: Mapping[str, Path]) -> str:
-    """Compare the formats (or candidates) with the SavedModel on new samples; returns a note."""
+    """Compare the formats (or candidates) with the SavedModel (else the frozen graph) on new samples;
+    returns a note saying what was compared."""
     formats = doc["formats"]
     ref_fmt = next((f for f in ("saved_model", "frozen_graph") if f in formats), None)
     if ref_fmt is None:
