@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import time
@@ -26,17 +27,20 @@ from policy_export.exporter.context import (
 )
 from policy_export.exporter.devices import TF32_TOLERANCE, DevicePlan, plan_devices
 from policy_export.exporter.exploration import (
-    DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, compare_samples, logp_of_given_actions, repeated_observations,
-    rounding_allowance, sample_actions, within_allowance,
+    DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, logp_of_given_actions, rounding_allowance, within_allowance,
 )
 from policy_export.exporter.exploration import summarize as summarize_exploration
+from policy_export.exporter import replay
 from policy_export.exporter.parity import (
-    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerance, Tolerances, compare, compare_arrays, run_batched,
-    sample_inputs,
+    DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerance, Tolerances, compare_arrays, run_batched, sample_inputs,
 )
+from policy_export.exporter.plan import (
+    GOLDEN_INPUTS, GOLDEN_OUTPUTS, ExplorationPlan, ParityPlan, SteppedPlan, load_plan, write_plan,
+)
+from policy_export.exporter.plan import manifest_record as parity_manifest_record
 from policy_export.exporter.staging import check_target, staged_directory
 from policy_export.exporter.stepped import (
-    DEFAULT_SEQUENCES, DEFAULT_STEPS, compare_stepped, run_stepped, run_training_graph, stepped_inputs,
+    DEFAULT_SEQUENCES, DEFAULT_STEPS, run_stepped, run_training_graph, stepped_inputs,
 )
 from policy_export.policy.errors import CheckFailedError, ExportError, InputError
 from policy_export.policy.spaces import check_sample_budget, leaves, space_to_json
@@ -47,7 +51,7 @@ from policy_export.signatures.contract import Contract
 log = logging.getLogger(__name__)
 
 PARITY_DIR = "parity"
-MODEL_IO_PREFIX = "base_model/"
+MODEL_IO_PREFIX = replay.MODEL_IO_PREFIX
 _WRITERS = {
     "saved_model": (saved_model.write, saved_model.DIRNAME),
     "frozen_graph": (frozen_graph.write, frozen_graph.FILENAME),
@@ -75,7 +79,7 @@ def tf32_tolerances(tolerances: Tolerances, plan: DevicePlan) -> Tolerances:
     if not plan.tf32_active:
         return tolerances
     default = Tolerance(max(tolerances.default.atol, TF32_TOLERANCE), max(tolerances.default.rtol, TF32_TOLERANCE))
-    return Tolerances(default, dict(tolerances.per_output))
+    return dataclasses.replace(tolerances, default=default)
 
 
 def check_export_files(out: Path, doc: Mapping[str, Any]) -> manifest.FileCheck:
@@ -120,6 +124,7 @@ class VerifyResult:
     path: Path
     file_problems: list[str]
     parity: ParityReport
+    notes: list[str] = field(default_factory=list)  # what the replayed plan held, and what was run
 
     @property
     def passed(self) -> bool:
@@ -158,7 +163,9 @@ def export_policy(
     only if parity passes. ``inputs_as_nchw`` makes the ONNX model take rank-4 image inputs as
     NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
     get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
-    ``source`` is recorded in the manifest (e.g. what a converted model came from).
+    ``source`` is recorded in the manifest (e.g. what a converted model came from). The parity
+    plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
+    ``parity/`` so that :func:`verify_export` replays it.
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.
@@ -179,7 +186,8 @@ def export_policy(
     check_target(out.absolute(), overwrite)
 
     signature = build_signature(policy)
-    unknown_tol = sorted(set(tolerances.per_output) - set(signature.contract.output_keys))
+    named = set(tolerances.per_output) | tolerances.allow_non_finite
+    unknown_tol = sorted(named - set(signature.contract.output_keys))
     if unknown_tol:
         raise InputError(f"tolerance given for unknown output(s) {unknown_tol}; outputs are {signature.contract.output_keys}")
     if "keras" in formats and policy.model is None:
@@ -203,20 +211,21 @@ def export_policy(
                 records[fmt] = writer(ctx, stage / name)
         parity_start = time.perf_counter()
         golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
-        golden_out = _reference_outputs(policy, golden_in, batch_size)
+        parity_plan = ParityPlan(golden_in, _reference_outputs(policy, golden_in, batch_size))
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
         explore = None
         if explore_samples > 0 and "explore" in signature.inputs:
             explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size)
-        stepped = None
+            parity_plan.exploration = explore.plan
         if policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0:
-            stepped = _SteppedSetup.make(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES, seed)
-        _check_formats(stage, formats, signature.tensor_names(), plan, golden_in, golden_out,
-                       signature.contract, tolerances, batch_size, report, explore=explore,
-                       formats_info={k: r.details for k, r in records.items()}, stepped=stepped)
+            parity_plan.stepped = _stepped_plan(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES, seed)
+        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore,
+                               {k: r.details for k, r in records.items()})
+        replay.check_formats(stage, formats, signature.tensor_names(), plan, checks, report)
         timings["parity"] = time.perf_counter() - parity_start
-        _write_golden(stage, golden_in, golden_out, report)
+        _write_golden(stage, parity_plan, report)
         doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
+        doc["parity"]["plan"] = parity_manifest_record(parity_plan)
         if source:
             doc = {**doc, "source": dict(source)}
             doc["files"] = manifest.file_records(stage)
@@ -249,22 +258,31 @@ def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto",
 def verify_export(
     out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
-    expect_manifest_sha256: str | None = None,
+    expect_manifest_sha256: str | None = None, candidates: Mapping[str, str | Path] | None = None,
 ) -> VerifyResult:
-    """Check an export: file hashes, then every format fresh from disk against the golden outputs.
+    """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
-    A format or golden file whose files failed the hash check (changed, missing, extra, or not a
+    The plan (see :mod:`exporter.plan`) is the golden inputs and outputs, the session's exploration
+    draws and, for recurrent policies, the stepped sequences with the session's per-step outputs;
+    an export made before the plan was stored replays the golden part alone (``notes`` says so).
+    A format or plan file whose files failed the hash check (changed, missing, extra, or not a
     regular file) is never loaded; with ``expect_manifest_sha256`` (the manifest's digest kept
     elsewhere) a manifest with another digest fails and nothing is loaded. With ``samples > 0``,
-    also draws that many new observations and compares each format with the SavedModel on them.
+    also draws that many new observations and compares each format with the SavedModel (or the
+    frozen graph, in an export without one) on them.
+
+    ``candidates`` (format -> model path, e.g. ``{"onnx": "model.opt.onnx"}``) checks those files
+    against the export's plan instead of the export's own formats; the export is only read.
 
     Raises:
         ExportError: ``out`` is not an export.
-        InputError: ``expect_manifest_sha256`` is not 64 hex digits, or a tolerance names an unknown output.
+        InputError: ``expect_manifest_sha256`` is not 64 hex digits, a tolerance names an unknown
+            output, or a candidate's format is not one of the export's or its path does not exist.
     """
     out = Path(out)
     pin = _check_pin(expect_manifest_sha256)
     doc = manifest.read_manifest(out)
+    candidates = _check_candidates(candidates, doc)
     check = check_export_files(out, doc)
     problems = list(check.problems)
     digest = manifest.manifest_sha256(out) if pin is not None else None
@@ -279,23 +297,68 @@ def verify_export(
     if digest != pin:  # the manifest itself is not the one pinned: trust none of it
         return VerifyResult(out, problems, report)
     _untrusted_formats(out, doc, check, report)
-    formats = [f for f in doc["formats"] if f not in report.errors]
-    golden = [f"{PARITY_DIR}/inputs.npz", f"{PARITY_DIR}/outputs.npz"]
-    if not all(check.trusted(g) for g in golden):
+    if not all(check.trusted(g) for g in (GOLDEN_INPUTS, GOLDEN_OUTPUTS)):
         report.errors["parity"] = "golden files not loaded: they failed the hash check"
         return VerifyResult(out, problems, report)
     try:
-        golden_in = manifest.load_npz(out / golden[0])
-        golden_out = manifest.load_npz(out / golden[1])
-        report.samples = len(next(iter(golden_in.values())))
+        checks = _stored_replay(out, doc, check, contract, tolerances, batch_size)
     except (ExportError, StopIteration, TypeError) as e:
-        report.errors["parity"] = f"golden files cannot be used: {e}"
+        report.errors["parity"] = f"the parity plan cannot be used: {e}"
+        return VerifyResult(out, problems, report)
+    report.samples = len(next(iter(checks.plan.golden_inputs.values())))
+    notes = checks.plan.describe()
+    if candidates:
+        notes.append("candidates: " + ", ".join(f"{f}={p}" for f, p in candidates.items())
+                     + " (the export's own formats are not run)")
+        replay.check_candidates(candidates, doc["tensor_names"], plan, checks, report)
     else:
-        _check_formats(out, formats, doc["tensor_names"], plan, golden_in, golden_out,
-                       contract, tolerances, batch_size, report, collect_errors=True, formats_info=doc["formats"])
-    if samples > 0 and "saved_model" in doc["formats"] and not report.errors:
-        _check_fresh_samples(out, doc, contract, plan, samples, seed, tolerances, batch_size, report)
-    return VerifyResult(out, problems, report)
+        formats = [f for f in doc["formats"] if f not in report.errors]
+        replay.check_formats(out, formats, doc["tensor_names"], plan, checks, report, collect_errors=True)
+    if samples > 0 and not report.errors:
+        notes.append(_fresh_samples(out, doc, plan, samples, seed, checks, report, candidates))
+    return VerifyResult(out, problems, report, notes)
+
+
+def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[str, Any]) -> dict[str, Path]:
+    if not candidates:
+        return {}
+    out = replay.check_candidate_paths(candidates)
+    missing = [f for f in out if f not in doc["formats"]]
+    if missing:
+        raise InputError(f"candidate format(s) {missing} are not formats of the export (it has "
+                         f"{', '.join(doc['formats'])}); a candidate stands for one of them")
+    return out
+
+
+def _stored_replay(out: Path, doc: Mapping[str, Any], check: manifest.FileCheck, contract: Contract,
+                   tolerances: Tolerances, batch_size: int) -> replay.Replay:
+    from policy_export.policy.spaces import space_from_json
+
+    action_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", str(out / manifest.MANIFEST))
+    stored = load_plan(out, doc, check, action_space, contract, batch_size)
+    return replay.Replay(stored, contract, tolerances, batch_size, stored.exploration, doc["formats"])
+
+
+def _fresh_samples(out: Path, doc: Mapping[str, Any], plan: DevicePlan, samples: int, seed: int,
+                   checks: replay.Replay, report: ParityReport, candidates: Mapping[str, Path]) -> str:
+    """Compare the formats (or candidates) with the SavedModel (else the frozen graph) on new samples;
+    returns a note saying what was compared."""
+    formats = doc["formats"]
+    ref_fmt = next((f for f in ("saved_model", "frozen_graph") if f in formats), None)
+    if ref_fmt is None:
+        return "fresh samples: not compared, the export has no reference format (saved_model or frozen_graph)"
+
+    def opener(fmt: str, path: Path):
+        return lambda: replay.open_runner(fmt, path, doc["tensor_names"], plan)
+
+    if candidates:
+        others = {replay.candidate_label(f): (f, opener(f, p)) for f, p in candidates.items()}
+    else:
+        others = {f: (f, opener(f, out / _WRITERS[f][1])) for f in formats
+                  if f in replay.RUNNABLE and f != ref_fmt}
+    feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(out / manifest.MANIFEST))
+    replay.check_fresh_samples(feeds, (ref_fmt, opener(ref_fmt, out / _WRITERS[ref_fmt][1])), others, checks, report)
+    return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref_fmt}"
 
 
 def _check_pin(digest: str | None) -> str | None:
@@ -308,7 +371,7 @@ def _check_pin(digest: str | None) -> str | None:
 
 def _check_tolerance_keys(tolerances: Tolerances, contract: Contract, doc: Mapping[str, Any]) -> None:
     known = set(contract.output_keys) | set(doc["tolerances"].get("per_output", {}))
-    unknown = sorted(set(tolerances.per_output) - known)
+    unknown = sorted((set(tolerances.per_output) | tolerances.allow_non_finite) - known)
     if unknown:
         raise InputError(f"tolerance given for unknown output(s) {unknown}; outputs are {contract.output_keys}")
 
@@ -351,162 +414,56 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
 
 @dataclass
 class _ExploreSetup:
-    """Observations repeated for exploration parity, and the session's own samples for them."""
+    """The exploration plan, and the session that also scores each format's own samples (export only)."""
 
     policy: Any
-    feeds: dict[str, np.ndarray]
-    observations: int
-    reference: dict[str, np.ndarray]
-    batch_size: int
+    plan: ExplorationPlan
 
     @classmethod
     def make(cls, policy, golden_in, contract: Contract, samples: int, batch_size: int) -> "_ExploreSetup":
         required = {k: v for k, v in golden_in.items() if k in {s.key for s in contract.required_inputs}}
         m = min(DEFAULT_OBSERVATIONS, len(next(iter(required.values()))))
-        feeds = repeated_observations(required, m, samples)
-        return cls(policy, feeds, m, sample_actions(policy.run, feeds, batch_size), batch_size)
+        probe = {k: v[:m] for k, v in required.items()}
+        return cls(policy, ExplorationPlan.make(policy.run, probe, samples, policy.action_space, batch_size, contract))
 
     def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
-        got = sample_actions(runner, self.feeds, self.batch_size)
-        report.exploration.extend(compare_samples(fmt, self.policy.action_space, self.observations, self.reference, got))
-        report.records.extend(compare(f"{fmt} (explore)", self.reference, got, tolerances, [ACTION_DIST_INPUTS]))
+        got = self.plan.check(fmt, runner, tolerances, report)
         if self.policy.raw_actions is not None and ACTION_LOGP in got:
-            logp, keep = logp_of_given_actions(self.policy, self.feeds, got, self.batch_size)
+            feeds = self.plan.feeds()
+            logp, keep = logp_of_given_actions(self.policy, feeds, got, self.plan.batch_size)
             # float16 Box actions: the session scores the rounded action, the format's logp is of
             # its unrounded sample; the difference that rounding explains is not an error
             allowance = rounding_allowance(self.policy.action_space, got[ACTION_DIST_INPUTS], got)
             actual = within_allowance(logp, got[ACTION_LOGP], allowance).astype(np.asarray(got[ACTION_LOGP]).dtype)
             report.records.append(compare_arrays(f"{fmt} (explore)", "action_logp of its samples", logp[keep],
-                                                 actual[keep], tolerances.for_output(ACTION_LOGP)))
+                                                 actual[keep], tolerances.for_output(ACTION_LOGP),
+                                                 allow_non_finite=tolerances.allows_non_finite(ACTION_LOGP)))
 
 
-@dataclass
-class _SteppedSetup:
+def _stepped_plan(policy, contract: Contract, steps: int, sequences: int, seed: int) -> SteppedPlan:
     """Fixed step sequences and the session's stepped outputs (serving and training-time graphs)."""
-
-    inputs: dict[str, np.ndarray]
-    initial_state: list[np.ndarray]
-    serving: dict[str, np.ndarray]
-    training: dict[str, np.ndarray]
-
-    @classmethod
-    def make(cls, policy, contract: Contract, steps: int, sequences: int, seed: int) -> "_SteppedSetup":
-        inputs = stepped_inputs(policy, contract, steps, sequences, seed)
-        initial = policy.get_initial_state()
-        serving = run_stepped(policy.run, inputs, initial)
-        chunk = policy.sequence_graph_chunk
-        training = run_training_graph(policy, inputs, chunk)
-        return cls(inputs, initial, serving, training)
-
-    def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport, keys: Sequence[str]) -> None:
-        got = run_stepped(runner, self.inputs, self.initial_state)
-        steps = len(next(iter(self.inputs.values())))
-        report.records.extend(compare_stepped(f"{fmt} (stepped {steps})", self.serving, got, tolerances, list(keys)))
-        report.records.extend(compare_stepped(f"{fmt} (stepped {steps} vs sequences)", self.training, got,
-                                              tolerances, list(keys)))
-
-
-def _check_formats(root: Path, formats: Sequence[str], tensor_names: Mapping[str, Any], plan: DevicePlan,
-                   golden_in: Mapping[str, np.ndarray], golden_out: Mapping[str, np.ndarray],
-                   contract: Contract, tolerances: Tolerances, batch_size: int, report: ParityReport,
-                   collect_errors: bool = False, explore: _ExploreSetup | None = None,
-                   formats_info: Mapping[str, Any] | None = None, stepped: _SteppedSetup | None = None) -> None:
-    """Compare each format with the golden outputs (and, given ``explore``, its sampled actions
-    with the session's); with ``collect_errors`` a format that cannot be loaded is recorded in
-    ``report.errors`` instead of raising."""
-    keys = contract.output_keys
-    keras_outputs = (formats_info or {}).get("keras", {}).get("outputs")
-    for fmt in formats:
-        try:
-            _check_format(fmt, root, tensor_names, plan, golden_in, golden_out, keys, keras_outputs, tolerances,
-                          batch_size, report, explore, stepped, formats_info)
-        except Exception as e:  # in verify, whatever breaks a format is that format's failure
-            if not collect_errors:
-                raise
-            report.errors[fmt] = f"{type(e).__name__}: {e}" if not isinstance(e, ExportError) else str(e)
-
-
-def _check_format(fmt, root, tensor_names, plan, golden_in, golden_out, keys, keras_outputs, tolerances,
-                  batch_size, report, explore, stepped, formats_info) -> None:
-    if fmt == "keras":
-        _check_keras(root, golden_out, tolerances, batch_size, report, keras_outputs)
-        return
-    runner = load_runner(fmt, root, tensor_names, plan)
-    try:
-        if fmt == "onnx":
-            report.devices["onnxruntime_providers_used"] = list(runner.providers)
-        got = run_batched(runner, golden_in, batch_size)
-        report.records.extend(compare(fmt, golden_out, got, tolerances, _output_keys(fmt, keys, formats_info)))
-        if explore is not None and fmt != "onnx_deterministic":
-            explore.check(fmt, runner, tolerances, report)
-        if stepped is not None:
-            stepped.check(fmt, runner, tolerances, report, _output_keys(fmt, keys, formats_info))
-    finally:
-        getattr(runner, "close", lambda: None)()
-
-
-def _output_keys(fmt: str, keys: Sequence[str], formats_info: Mapping[str, Any] | None) -> list[str]:
-    """The outputs a format has: all of the contract's, but for the deterministic model, its own."""
-    own = (formats_info or {}).get(fmt, {}).get("outputs")
-    return [k for k in keys if k in own] if fmt == "onnx_deterministic" and own else list(keys)
+    inputs = stepped_inputs(policy, contract, steps, sequences, seed)
+    initial = policy.get_initial_state()
+    serving = run_stepped(policy.run, inputs, initial)
+    training = run_training_graph(policy, inputs, policy.sequence_graph_chunk)
+    return SteppedPlan(inputs, initial, serving, training)
 
 
 def load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
     """A runner (``runner(feeds) -> outputs``, keyed by signature keys) for one format of an export.
 
     Raises:
-        ExportError: the format has no runner.
+        ExportError: the format has no runner, or its file does not load.
     """
-    if fmt == "saved_model":
-        return saved_model.load(root, plan)
-    if fmt == "frozen_graph":
-        return frozen_graph.load(root, tensor_names, plan)
-    if fmt == "onnx":
-        return onnx_model.load(root, plan)
-    if fmt == "onnx_deterministic":
-        return onnx_model.load(root, plan, onnx_model.DETERMINISTIC_FILENAME)
-    raise ExportError(f"no runner for format {fmt!r}")
+    if fmt not in _WRITERS:
+        raise ExportError(f"no runner for format {fmt!r}")
+    return replay.open_runner(fmt, root / _WRITERS[fmt][1], tensor_names, plan)
 
 
-def _check_keras(root: Path, golden_out: Mapping[str, np.ndarray], tolerances: Tolerances,
-                 batch_size: int, report: ParityReport, output_names: list[str] | None) -> None:
-    out_prefix = f"{MODEL_IO_PREFIX}{keras_model.MODEL_OUTPUT}"
-    ins = {k[len(MODEL_IO_PREFIX):]: v for k, v in golden_out.items()
-           if k.startswith(MODEL_IO_PREFIX) and not k.startswith(out_prefix)}
-    reference = {k[len(MODEL_IO_PREFIX):]: v for k, v in golden_out.items() if k.startswith(out_prefix)}
-    if not reference:
-        return
-    for fmt, runner in keras_model.load(root, output_names).items():
-        got = run_batched(runner, ins, batch_size)
-        report.records.extend(compare(fmt, reference, got, tolerances))
-
-
-def _check_fresh_samples(out: Path, doc: Mapping[str, Any], contract: Contract, plan: DevicePlan, samples: int,
-                         seed: int, tolerances: Tolerances, batch_size: int, report: ParityReport) -> None:
-    from policy_export.policy.spaces import space_from_json
-
-    where = str(out / manifest.MANIFEST)
-    obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)
-    act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", where)
-    check_sample_budget(samples, obs_space, "samples")
-    feeds = sample_inputs(obs_space, act_space, contract, samples, seed)
-    reference_runner = saved_model.load(out, plan)
-    reference = run_batched(reference_runner, feeds, batch_size)
-    reference_runner.close()
-    for fmt in doc["formats"]:
-        if fmt in ("saved_model", "keras"):
-            continue
-        runner = load_runner(fmt, out, doc["tensor_names"], plan)
-        got = run_batched(runner, feeds, batch_size)
-        keys = _output_keys(fmt, contract.output_keys, doc["formats"])
-        report.records.extend(compare(f"{fmt} vs saved_model", reference, got, tolerances, keys))
-
-
-def _write_golden(root: Path, golden_in, golden_out, report: ParityReport) -> None:
+def _write_golden(root: Path, parity_plan: ParityPlan, report: ParityReport) -> None:
     d = root / PARITY_DIR
     d.mkdir()
-    np.savez(d / "inputs.npz", **golden_in)
-    np.savez(d / "outputs.npz", **golden_out)
+    write_plan(root, parity_plan)
     (d / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
 
 

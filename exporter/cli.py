@@ -33,6 +33,8 @@ def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> 
     p.add_argument("--rtol", type=float, default=None, metavar="X", help="default relative tolerance (1e-5)")
     p.add_argument("--tolerance", action="append", default=[], metavar="KEY=ATOL[:RTOL]",
                    help="tolerance for one output; repeatable")
+    p.add_argument("--allow-non-finite", action="append", default=[], metavar="KEY",
+                   help="output that may hold NaN or infinity (matching the reference's); repeatable")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
     _tf32_option(p)
@@ -73,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
     ve.add_argument("--expect-manifest-sha256", metavar="HEX", default=None,
                     help="fail unless manifest.json has this sha256 (pin the digest kept outside the export)")
+    ve.add_argument("--candidate", action="append", default=[], metavar="FORMAT=PATH",
+                    help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
+                         "export's stored parity plan instead of the export's own formats; repeatable")
     _parity_options(ve, 0)
 
     ins = sub.add_parser("inspect", parents=[common],
@@ -133,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
-    width = None if sys.stdout.isatty() else 140  # CI logs: no wrapping of the parity table
+    width = None if sys.stdout.isatty() else 200  # CI logs: no wrapping or clipping of the parity table
     out, err = Console(width=width), Console(stderr=True)
     try:
         commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
@@ -175,7 +180,7 @@ def _tolerances(args, base=None):
         if not sep or not key:
             raise InputError(f"--tolerance {item!r}: expected KEY=ATOL[:RTOL]")
         per_output[key] = Tolerance.parse(value)
-    return Tolerances(default, per_output)
+    return Tolerances(default, per_output, tol.allow_non_finite | frozenset(args.allow_non_finite))
 
 
 def _check_seed(args) -> None:
@@ -253,6 +258,9 @@ def _check_tolerance_keys(args, doc) -> None:
         key = item.partition("=")[0]
         if key not in known:
             raise InputError(f"--tolerance {item!r}: {key!r} is not an output of the export; outputs are {outputs}")
+    for key in args.allow_non_finite:
+        if key not in outputs:
+            raise InputError(f"--allow-non-finite {key!r} is not an output of the export; outputs are {outputs}")
 
 
 def _device_plan(args):
@@ -327,6 +335,9 @@ def _cmd_verify(args, console) -> int:
         raise InputError(f"--samples must be 0 or more, got {args.samples}")
     _check_report_paths(args, args.out)
     _check_tolerance_keys(args, doc)
+    from policy_export.exporter.replay import parse_candidates
+
+    candidates = parse_candidates(args.candidate)
     if args.samples:
         from policy_export.policy.spaces import space_from_json
 
@@ -337,20 +348,29 @@ def _cmd_verify(args, console) -> int:
     from policy_export.exporter.api import verify_export
     from policy_export.exporter.reports import parity_table
 
-    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args), tolerances=tolerances,
-                           expect_manifest_sha256=args.expect_manifest_sha256)
-    _emit_reports(args, result.parity, "verify", result.file_problems, extra={"path": str(result.path)})
+    result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args),
+                           tolerances=tolerances, expect_manifest_sha256=args.expect_manifest_sha256,
+                           candidates=candidates)
+    _emit_reports(args, result.parity, "verify", result.file_problems,
+                  extra={"path": str(result.path), "plan": result.notes})
     devices = result.parity.devices
-    console.print(parity_table(result.parity, f"verify {escape(args.out)}: golden outputs ({result.parity.samples} samples; "
+    console.print(parity_table(result.parity, f"verify {escape(args.out)}: stored parity plan "
+                                              f"({result.parity.samples} golden samples; "
                                               f"TF {devices.get('tf_device')}, ONNX Runtime "
                                               f"{', '.join(devices.get('onnxruntime_providers_used', []))})"))
-    for problem in result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]:
+    for note in result.notes:
+        console.print(f"plan: {escape(one_line(note))}", soft_wrap=True)
+    from policy_export.exporter.reports import record_problems
+
+    for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
+                    + record_problems(result.parity)):
         console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True)
     if not result.passed:
         failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
         print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
         return EXIT_CHECK_FAILED
-    console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, every format matches")
+    what = "every candidate matches its plan" if candidates else "every format matches"
+    console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, {what}")
     return EXIT_OK
 
 

@@ -248,8 +248,11 @@ def _field_problems(obj: dict[str, Any]) -> list[str]:
     tol = obj["tolerances"]
     if not (isinstance(tol, dict) and _is_tolerance(tol.get("default"))
             and isinstance(tol.get("per_output", {}), dict)
-            and all(_is_tolerance(v) for v in tol.get("per_output", {}).values())):
-        problems.append("tolerances: expected {default: {atol, rtol}, per_output: {key: {atol, rtol}}}")
+            and all(_is_tolerance(v) for v in tol.get("per_output", {}).values())
+            and isinstance(tol.get("allow_non_finite", []), list)
+            and all(isinstance(k, str) for k in tol.get("allow_non_finite", []))):
+        problems.append("tolerances: expected {default: {atol, rtol}, per_output: {key: {atol, rtol}}, "
+                        "allow_non_finite: [keys] (optional)}")
     spaces = obj.get("spaces", {})
     if not isinstance(spaces, dict) or not all(isinstance(spaces.get(k, {}), dict) for k in ("observation", "action")):
         problems.append("spaces: expected {observation: {...}, action: {...}}")
@@ -288,6 +291,21 @@ def _contract_problems(contract: Any) -> list[str]:
 
 
 MAX_NPZ_BYTES = 1 << 30
+
+
+def save_npz(path: Path, arrays: dict[str, Any], compressed: bool = False) -> None:
+    """Write ``arrays`` (name -> numeric array) as an ``.npz`` file that :func:`load_npz` reads.
+
+    Raises:
+        ExportError: an array holds Python objects (it could only be read back as a pickle).
+    """
+    import numpy as np
+
+    values = {k: np.asarray(v) for k, v in arrays.items()}
+    objects = sorted(k for k, v in values.items() if v.dtype.hasobject)
+    if objects:
+        raise ExportError(f"{path}: arrays {objects} hold Python objects; an export stores numeric arrays only")
+    (np.savez_compressed if compressed else np.savez)(path, **values)
 
 
 def load_npz(path: Path, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Parity: run formats on the same inputs as the TF session and compare every output.
 
 Comparison returns data (:class:`ParityReport`, one :class:`OutputParity` per format and
-output); :meth:`ParityReport.raise_if_failed` decides. Float outputs pass when
-``|a - b| <= atol + rtol * |b|`` element-wise (b the reference); integer and bool outputs must be
-identical.
+output); :meth:`ParityReport.raise_if_failed` decides. An output must have the reference's (and
+the contract's) dtype and shape; float outputs pass when ``|a - b| <= atol + rtol * |b|``
+element-wise (b the reference) and hold no NaN or infinity unless the output allows them
+(:attr:`Tolerances.allow_non_finite`); integer and bool outputs must be identical. Float records
+carry the max, mean and 99th-percentile absolute error.
 """
 
 from __future__ import annotations
@@ -60,16 +62,29 @@ class Tolerances:
 
     default: Tolerance = field(default_factory=Tolerance)
     per_output: dict[str, Tolerance] = field(default_factory=dict)
+    allow_non_finite: frozenset[str] = frozenset()  # outputs that may hold NaN or infinity
 
     def for_output(self, key: str) -> Tolerance:
         return self.per_output.get(key, self.default)
 
+    def allows_non_finite(self, key: str) -> bool:
+        """Whether output ``key`` may hold NaN or infinite values (they must then match the reference's)."""
+        return key in self.allow_non_finite
+
     def to_json(self) -> dict[str, Any]:
-        return {"default": asdict(self.default), "per_output": {k: asdict(v) for k, v in self.per_output.items()}}
+        out: dict[str, Any] = {"default": asdict(self.default),
+                               "per_output": {k: asdict(v) for k, v in self.per_output.items()}}
+        if self.allow_non_finite:
+            out["allow_non_finite"] = sorted(self.allow_non_finite)
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "Tolerances":
-        return cls(Tolerance(**obj["default"]), {k: Tolerance(**v) for k, v in obj.get("per_output", {}).items()})
+        allowed = obj.get("allow_non_finite", [])
+        if not (isinstance(allowed, list) and all(isinstance(k, str) for k in allowed)):
+            raise InputError(f"tolerances.allow_non_finite: expected a list of output keys, got {allowed!r}")
+        return cls(Tolerance(**obj["default"]), {k: Tolerance(**v) for k, v in obj.get("per_output", {}).items()},
+                   frozenset(allowed))
 
 
 @dataclass(frozen=True)
@@ -89,12 +104,20 @@ class OutputParity:
     min_atol_to_pass: float
     passed: bool
     worst_step: int | None = None  # stepped parity: the step with the largest error
+    mean_abs_err: float = 0.0
+    p99_abs_err: float = 0.0  # the 99th percentile of the element-wise absolute error
+    non_finite: int = 0  # NaN and infinite values, counted over the output and its reference
+    problem: str = ""  # why the output could not be compared value by value (dtype, shape, NaN...)
 
     def describe(self) -> str:
-        if self.exact:
-            return f"{self.format}/{self.key}: {self.mismatches} of {int(np.prod(self.shape))} values differ (exact match required)"
         step = f" (largest at step {self.worst_step})" if self.worst_step is not None else ""
-        return (f"{self.format}/{self.key}: max abs err {self.max_abs_err:.3g}{step}, max rel err {self.max_rel_err:.3g}; "
+        if self.problem:
+            return f"{self.format}/{self.key}: {self.problem}"
+        if self.exact:
+            return (f"{self.format}/{self.key}: {self.mismatches} of {int(np.prod(self.shape))} values differ{step} "
+                    "(exact match required)")
+        return (f"{self.format}/{self.key}: max abs err {self.max_abs_err:.3g}{step}, mean {self.mean_abs_err:.3g}, "
+                f"p99 {self.p99_abs_err:.3g}, max rel err {self.max_rel_err:.3g}; "
                 f"tolerance atol={self.atol:g} rtol={self.rtol:g}; would pass with atol >= {self.min_atol_to_pass:.3g}")
 
 
@@ -206,33 +229,98 @@ def run_batched(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: int
 
 
 def compare(format_name: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
-            tolerances: Tolerances, keys: Sequence[str] | None = None) -> list[OutputParity]:
-    """One :class:`OutputParity` per key (default: every reference key). A missing output fails."""
+            tolerances: Tolerances, keys: Sequence[str] | None = None,
+            contract: "Contract | None" = None) -> list[OutputParity]:
+    """One :class:`OutputParity` per key (default: every reference key). A missing output fails;
+    with ``contract``, so does an output whose dtype or shape the contract does not allow."""
     records = []
     for key in keys if keys is not None else list(reference):
         ref = np.asarray(reference[key])
         tol = tolerances.for_output(key)
         if key not in actual:
-            records.append(OutputParity(format_name, key, ref.dtype.name, ref.shape, False, math.inf, math.inf,
-                                        tol.atol, tol.rtol, int(ref.size), math.inf, False))
+            records.append(_failed(format_name, key, ref, tol, "the output is missing"))
             continue
-        records.append(compare_arrays(format_name, key, ref, np.asarray(actual[key]), tol))
+        spec = _output_spec(contract, key)
+        records.append(compare_arrays(format_name, key, ref, np.asarray(actual[key]), tol,
+                                      allow_non_finite=tolerances.allows_non_finite(key), spec=spec))
     return records
 
 
-def compare_arrays(format_name: str, key: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance) -> OutputParity:
-    """Compare one output: exactly for integer/bool dtypes, by ``atol``/``rtol`` for floats."""
+def _output_spec(contract: "Contract | None", key: str):
+    if contract is None or key not in contract.output_keys:
+        return None
+    return contract.output(key)
+
+
+def _failed(format_name: str, key: str, ref: np.ndarray, tol: Tolerance, problem: str) -> OutputParity:
     exact = not np.issubdtype(ref.dtype, np.floating)
+    return OutputParity(format_name, key, ref.dtype.name, ref.shape, exact, math.inf, math.inf,
+                        tol.atol, tol.rtol, int(ref.size), math.inf, False, problem=problem)
+
+
+def contract_problem(spec, got: np.ndarray) -> str:
+    """Why ``got`` does not fit the output ``spec`` (a contract ``TensorSpec``), or ``""``."""
+    if spec is None:
+        return ""
+    if got.dtype != np.dtype(spec.dtype):
+        return f"dtype {got.dtype.name}, the contract says {spec.dtype}"
+    if len(got.shape) != len(spec.shape) or any(d is not None and d != s for d, s in zip(spec.shape, got.shape)):
+        return f"shape {list(got.shape)}, the contract says {spec.shape_text()}"
+    return ""
+
+
+def layout_record(format_name: str, key: str, ref: np.ndarray, got: np.ndarray | None, tolerances: Tolerances,
+                  contract: "Contract | None" = None) -> OutputParity | None:
+    """A failed record when ``got`` is missing or its dtype or shape is not the reference's or
+    the contract's (for outputs compared as samples, not value by value); else None."""
+    ref = np.asarray(ref)
+    problem = "the output is missing" if got is None else _layout_problem(ref, np.asarray(got),
+                                                                         _output_spec(contract, key))
+    return _failed(format_name, key, ref, tolerances.for_output(key), problem) if problem else None
+
+
+def _layout_problem(ref: np.ndarray, got: np.ndarray, spec) -> str:
+    if got.dtype != ref.dtype:
+        return f"dtype {got.dtype.name}, the reference is {ref.dtype.name}"
     if got.shape != ref.shape:
-        return OutputParity(format_name, key, ref.dtype.name, ref.shape, exact, math.inf, math.inf,
-                            tol.atol, tol.rtol, int(ref.size), math.inf, False)
-    if exact:
-        mismatches = int(np.count_nonzero(got != ref))
-        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64)) if ref.size else np.zeros(0)
-        max_abs = float(diff.max()) if diff.size else 0.0
-        return OutputParity(format_name, key, ref.dtype.name, ref.shape, True, max_abs, max_abs,
-                            0.0, 0.0, mismatches, max_abs, mismatches == 0)
+        return f"shape {list(got.shape)}, the reference is {list(ref.shape)}"
+    return contract_problem(spec, got)
+
+
+def compare_arrays(format_name: str, key: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance,
+                   allow_non_finite: bool = False, spec=None) -> OutputParity:
+    """Compare one output: exactly for integer/bool dtypes, by ``atol``/``rtol`` for floats.
+
+    Fails, with the reason in ``problem``, when the dtype or shape differs from the reference's
+    (or from the contract's ``spec``), and, unless ``allow_non_finite``, when either side holds a
+    NaN or an infinity.
+    """
+    ref, got = np.asarray(ref), np.asarray(got)
+    problem = _layout_problem(ref, got, spec)
+    if problem:
+        return _failed(format_name, key, ref, tol, problem)
+    if not np.issubdtype(ref.dtype, np.floating):
+        return _compare_exact(format_name, key, ref, got)
+    return _compare_float(format_name, key, ref, got, tol, allow_non_finite)
+
+
+def _compare_exact(format_name: str, key: str, ref: np.ndarray, got: np.ndarray) -> OutputParity:
+    """Integer and bool outputs: every value must be identical, whatever the values."""
+    differ = got != ref
+    mismatches = int(np.count_nonzero(differ))
+    # the size of each difference (at least 1 where values differ, even where float64 rounds them together)
+    diff = np.where(differ, np.maximum(np.abs(got.astype(np.float64) - ref.astype(np.float64)), 1.0), 0.0)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    return OutputParity(format_name, key, ref.dtype.name, ref.shape, True, max_abs, max_abs,
+                        0.0, 0.0, mismatches, max_abs, mismatches == 0,
+                        mean_abs_err=float(diff.mean()) if diff.size else 0.0,
+                        p99_abs_err=float(np.percentile(diff, 99, method="higher")) if diff.size else 0.0)
+
+
+def _compare_float(format_name: str, key: str, ref: np.ndarray, got: np.ndarray, tol: Tolerance,
+                   allow_non_finite: bool) -> OutputParity:
     a, b = got.astype(np.float64), ref.astype(np.float64)
+    non_finite = int(np.count_nonzero(~np.isfinite(a)) + np.count_nonzero(~np.isfinite(b)))
     both_nan = np.isnan(a) & np.isnan(b)
     same_inf = np.isinf(a) & (a == b)
     diff = np.where(both_nan | same_inf, 0.0, np.abs(a - b))
@@ -241,6 +329,11 @@ def compare_arrays(format_name: str, key: str, ref: np.ndarray, got: np.ndarray,
     rel = np.where(diff == 0, 0.0, rel)
     allowed = tol.atol + tol.rtol * np.abs(np.where(np.isfinite(b), b, 0.0))
     bad = diff > allowed
+    problem = ""
+    if non_finite and not allow_non_finite:
+        problem = (f"{non_finite} NaN or infinite value(s) across the output and its reference; "
+                   "the output does not allow them")
+        bad = bad | ~np.isfinite(a) | ~np.isfinite(b)
     # smallest atol (with this rtol) under which every element passes
     need = np.maximum(diff - tol.rtol * np.abs(np.where(np.isfinite(b), b, 0.0)), 0.0)
     return OutputParity(
@@ -248,4 +341,7 @@ def compare_arrays(format_name: str, key: str, ref: np.ndarray, got: np.ndarray,
         float(diff.max()) if diff.size else 0.0, float(rel.max()) if rel.size else 0.0,
         tol.atol, tol.rtol, int(np.count_nonzero(bad)),
         float(need.max()) if need.size else 0.0, not bool(bad.any()),
+        mean_abs_err=float(diff.mean()) if diff.size else 0.0,
+        p99_abs_err=float(np.percentile(diff, 99, method="higher")) if diff.size else 0.0,
+        non_finite=non_finite, problem=problem,
     )

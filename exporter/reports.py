@@ -31,20 +31,28 @@ def parity_table(report: ParityReport, title: str):
         return Text(_one_line(value))
 
     table = Table(title=title, title_justify="left")
-    for column in ("format", "output", "dtype", "shape", "max abs", "max rel", "atol/rtol", "min atol", "result"):
-        table.add_column(column, justify="right" if column.startswith(("max", "min")) else "left", no_wrap=True)
+    for column in ("format", "output", "dtype", "shape", "max abs", "mean abs", "p99 abs", "max rel", "atol/rtol",
+                   "min atol", "result"):
+        table.add_column(column, justify="right" if column.startswith(("max", "min", "mean", "p99")) else "left",
+                         no_wrap=True)
     for r in report.records:
         result = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
         shape = "x".join(str(d) for d in r.shape)
-        table.add_row(plain(r.format), plain(r.key), plain(r.dtype), shape, _fmt(r.max_abs_err), _fmt(r.max_rel_err),
-                      _tolerance(r), "-" if r.exact else _fmt(r.min_atol_to_pass), result)
+        table.add_row(plain(r.format), plain(r.key), plain(r.dtype), shape, _fmt(r.max_abs_err), _fmt(r.mean_abs_err),
+                      _fmt(r.p99_abs_err), _fmt(r.max_rel_err), _tolerance(r),
+                      "-" if r.exact else _fmt(r.min_atol_to_pass), result)
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
         ok = all(c.passed for c in checks)
         table.add_row(plain(f"{fmt} (explore)"), plain(key), "samples", f"{len(checks)} tests x {worst.samples}",
-                      f"p {worst.p_value:.2g}", "", f"p >= {worst.threshold:.1e}", "",
+                      f"p {worst.p_value:.2g}", "", "", "", f"p >= {worst.threshold:.1e}", "",
                       "[green]pass[/green]" if ok else "[bold red]FAIL[/bold red]")
     return table
+
+
+def record_problems(report: ParityReport) -> list[str]:
+    """One line per failed record whose output could not be compared value by value (dtype, shape, NaN)."""
+    return [r.describe() for r in report.records if r.problem and not r.passed]
 
 
 def _one_line(value: object) -> str:
@@ -62,6 +70,12 @@ def _group_exploration(report: ParityReport) -> dict[tuple[str, str], list]:
     for c in report.exploration:
         groups.setdefault((c.format, c.key.split("[")[0]), []).append(c)
     return groups
+
+
+def _md_result(r: OutputParity) -> str:
+    if r.passed:
+        return "pass"
+    return f"FAIL: {_md(r.problem)}" if r.problem else "FAIL"
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -110,12 +124,14 @@ def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[s
     lines = [f"### {title}: {status}", ""]
     lines += [f"- {_one_line(p)}" for p in file_problems]
     lines += [f"- {_one_line(fmt)}: {_one_line(message)}" for fmt, message in report.errors.items()]
-    lines += ["", "| format | output | max abs err | max rel err | tolerance | result |", "|---|---|---|---|---|---|"]
+    lines += ["", "| format | output | max abs err | mean abs err | p99 abs err | max rel err | tolerance | result |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in report.records:
-        lines.append(f"| {_md(r.format)} | {_md(r.key)} | {_fmt(r.max_abs_err)} | {_fmt(r.max_rel_err)} | "
-                     f"{_tolerance(r)} | {'pass' if r.passed else 'FAIL'} |")
+        lines.append(f"| {_md(r.format)} | {_md(r.key)} | {_fmt(r.max_abs_err)} | {_fmt(r.mean_abs_err)} | "
+                     f"{_fmt(r.p99_abs_err)} | {_fmt(r.max_rel_err)} | {_tolerance(r)} | "
+                     f"{_md_result(r)} |")
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
-        lines.append(f"| {_md(fmt)} (explore) | {_md(key)} | min p {worst.p_value:.2g} over {len(checks)} tests | | "
+        lines.append(f"| {_md(fmt)} (explore) | {_md(key)} | min p {worst.p_value:.2g} over {len(checks)} tests | | | | "
                      f"p >= {worst.threshold:.1e} | {'pass' if all(c.passed for c in checks) else 'FAIL'} |")
     return "\n".join(lines) + "\n"

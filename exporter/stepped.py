@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from policy_export.exporter.parity import OutputParity, Runner, Tolerances, compare_arrays, sample_inputs
+from policy_export.exporter.parity import OutputParity, Runner, Tolerances, compare, compare_arrays, sample_inputs
 
 DEFAULT_STEPS = 200
 DEFAULT_SEQUENCES = 4
@@ -24,21 +24,26 @@ DEFAULT_SEQUENCES = 4
 
 def stepped_inputs(policy, contract, steps: int, sequences: int, seed: int) -> dict[str, np.ndarray]:
     """Step-major inputs ``[steps, sequences, ...]``: observations, ``prev_action`` and
-    ``prev_reward`` sampled as parity samples them; state and ``seq_lens`` are the stepping's own."""
+    ``prev_reward`` sampled as parity samples them, and ``seq_lens`` of 1 (one step per call);
+    the state is the stepping's own."""
     feeds = sample_inputs(policy.observation_space, policy.action_space, contract, steps * sequences, seed)
     return {k: v.reshape(steps, sequences, *v.shape[1:]) for k, v in feeds.items()
-            if k.startswith(("observations", "prev_"))}
+            if k.startswith(("observations", "prev_")) or k == "seq_lens"}
 
 
 def run_stepped(runner: Runner, inputs: Mapping[str, np.ndarray], initial_state: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """Step ``runner`` through ``inputs``, feeding back its own state; outputs ``[steps, sequences, ...]``."""
+    """Step ``runner`` through ``inputs``, feeding back its own state; outputs ``[steps, sequences, ...]``.
+
+    ``seq_lens`` is taken from ``inputs`` when it is there (``[steps, sequences]``), else 1 per step.
+    """
     steps, sequences = next(iter(inputs.values())).shape[:2]
     state = [np.repeat(s[None], sequences, axis=0) for s in initial_state]
     seq_lens = np.ones(sequences, np.int32)
     collected: dict[str, list[np.ndarray]] = {}
     for t in range(steps):
         feeds = {k: v[t] for k, v in inputs.items()}
-        feeds.update({f"state_in_{i}": s for i, s in enumerate(state)}, seq_lens=seq_lens)
+        feeds.setdefault("seq_lens", seq_lens)
+        feeds.update({f"state_in_{i}": s for i, s in enumerate(state)})
         out = runner(feeds)
         state = [out[f"state_out_{i}"] for i in range(len(state))]
         for key, value in out.items():
@@ -60,7 +65,8 @@ def run_training_graph(policy, inputs: Mapping[str, np.ndarray], chunk: int) -> 
     for start in range(0, steps, chunk):
         t = min(chunk, steps - start)
         # [t, seq, ...] -> [seq, t, ...] -> [seq * t, ...] (each sequence's steps contiguous)
-        rows = {k: np.swapaxes(v[start:start + t], 0, 1).reshape(sequences * t, *v.shape[2:]) for k, v in inputs.items()}
+        rows = {k: np.swapaxes(v[start:start + t], 0, 1).reshape(sequences * t, *v.shape[2:]) for k, v in inputs.items()
+                if k != "seq_lens"}
         obs = {k: v for k, v in rows.items() if k.startswith("observations")}
         result = policy.compute_actions(_nest(policy, obs), state=state, prev_action=rows.get("prev_action"),
                                         prev_reward=rows.get("prev_reward"), seq_lens=np.full(sequences, t, np.int32))
@@ -90,10 +96,14 @@ def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Map
     for key in keys:
         if key not in reference:
             continue
+        if key not in actual:
+            records.append(compare(label, reference, actual, tolerances, [key])[0])
+            continue
         ref, got = np.asarray(reference[key]), np.asarray(actual[key])
         if key.startswith("state_out_") and "chunk_ends" in reference:
             got = got[reference["chunk_ends"]]
-        record = compare_arrays(label, key, ref, got, tolerances.for_output(key))
+        record = compare_arrays(label, key, ref, got, tolerances.for_output(key),
+                                allow_non_finite=tolerances.allows_non_finite(key))
         if got.shape == ref.shape and ref.size:
             per_step = np.abs(got.astype(np.float64) - ref.astype(np.float64)).reshape(len(ref), -1).max(axis=1)
             worst = int(np.argmax(per_step))

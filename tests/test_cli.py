@@ -51,7 +51,7 @@ def test_export_then_verify(exported, tmp_path):
     assert "verified" in proc.stdout and "CPUExecutionProvider" in proc.stdout
     text = summary.read_text()
     assert text.startswith("# earlier step\n### verify: passed")  # appended, not overwritten
-    assert "| onnx | actions_0 | 0 | 0 | exact | pass |" in text
+    assert "| onnx | actions_0 | 0 | 0 | 0 | 0 | exact | pass |" in text
 
 
 def test_export_reports(exported):
