@@ -231,10 +231,31 @@ def export_policy(
             doc["files"] = manifest.file_records(stage)
         manifest.write_manifest(stage, doc)
         if not report.passed:
+            _localize_failed(stage, ctx, formats, signature, parity_plan, tolerances, report)
+            where = [e["describe"] for e in report.localization if e.get("describe")]
             raise ParityFailedError(
-                "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures()), report
+                "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures())
+                + ("; " + "; ".join(where) if where else ""), report
             )
     return ExportResult(out, records, doc["files"], report, doc, timings)
+
+
+def _localize_failed(stage: Path, ctx: ExportContext, formats, signature, parity_plan, tolerances: Tolerances,
+                     report: ParityReport) -> None:
+    """For each ONNX format that failed, the first intermediate tensor where it leaves the frozen
+    graph (:mod:`exporter.localize`), added to ``report.localization``."""
+    from policy_export.exporter.localize import ONNX_FORMATS, localize_formats
+
+    failed = {r.format.split(" ")[0] for r in report.failures() if hasattr(r, "format")} | set(report.errors)
+    models = {f: stage / name for f, name in ONNX_FORMATS.items() if f in formats and f in failed}
+    if not models:
+        return
+    frozen = stage / frozen_graph.FILENAME
+    if not frozen.is_file():
+        frozen = stage / ".localize_frozen_graph.pb"  # the staging directory is removed on failure
+        frozen.write_bytes(ctx.frozen_graph_def().SerializeToString())
+    report.localization.extend(localize_formats(frozen, models, signature.tensor_names()["inputs"],
+                                                parity_plan.golden_inputs, tolerances))
 
 
 def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto", **options: Any) -> ExportResult:
@@ -259,6 +280,7 @@ def verify_export(
     out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
     expect_manifest_sha256: str | None = None, candidates: Mapping[str, str | Path] | None = None,
+    localize: bool = False,
 ) -> VerifyResult:
     """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
@@ -273,6 +295,10 @@ def verify_export(
 
     ``candidates`` (format -> model path, e.g. ``{"onnx": "model.opt.onnx"}``) checks those files
     against the export's plan instead of the export's own formats; the export is only read.
+
+    ``localize``: for each ONNX model checked (the export's, or an ONNX candidate), compare every
+    intermediate tensor it shares with the export's frozen graph on the golden inputs and name the
+    first that diverges (``report.localization``; see :mod:`exporter.localize`).
 
     Raises:
         ExportError: ``out`` is not an export.
@@ -316,7 +342,28 @@ def verify_export(
         replay.check_formats(out, formats, doc["tensor_names"], plan, checks, report, collect_errors=True)
     if samples > 0 and not report.errors:
         notes.append(_fresh_samples(out, doc, plan, samples, seed, checks, report, candidates))
+    if localize:
+        notes.append(_localize_verified(out, doc, check, candidates, checks.plan.golden_inputs, tolerances, report))
     return VerifyResult(out, problems, report, notes)
+
+
+def _localize_verified(out: Path, doc, check, candidates, golden_inputs, tolerances: Tolerances,
+                       report: ParityReport) -> str:
+    """``verify --localize``: localise every ONNX model checked against the trusted frozen graph."""
+    from policy_export.exporter.localize import ONNX_FORMATS, localize_formats
+
+    if not check.trusted(frozen_graph.FILENAME) or frozen_graph.FILENAME not in {f["path"] for f in doc["files"]}:
+        return "localize: not run, the export has no trusted frozen graph to compare with"
+    if candidates:
+        models = {f: Path(p) for f, p in candidates.items() if f in ONNX_FORMATS}
+    else:
+        models = {f: out / name for f, name in ONNX_FORMATS.items() if f in doc["formats"] and check.trusted(name)}
+    if not models:
+        return "localize: no ONNX model to localise"
+    report.localization.extend(localize_formats(out / frozen_graph.FILENAME, models, doc["tensor_names"]["inputs"],
+                                                golden_inputs, tolerances))
+    return "localize: " + "; ".join(e.get("describe") or f"{e['format']}: {e.get('error')}"
+                                    for e in report.localization)
 
 
 def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[str, Any]) -> dict[str, Path]:

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
     ve.add_argument("--expect-manifest-sha256", metavar="HEX", default=None,
                     help="fail unless manifest.json has this sha256 (pin the digest kept outside the export)")
+    ve.add_argument("--localize", action="store_true",
+                    help="name the first intermediate tensor where each ONNX model leaves the frozen graph")
     ve.add_argument("--candidate", action="append", default=[], metavar="FORMAT=PATH",
                     help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
                          "export's stored parity plan instead of the export's own formats; repeatable")
@@ -350,7 +352,7 @@ def _cmd_verify(args, console) -> int:
 
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args),
                            tolerances=tolerances, expect_manifest_sha256=args.expect_manifest_sha256,
-                           candidates=candidates)
+                           candidates=candidates, localize=args.localize)
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes})
     devices = result.parity.devices

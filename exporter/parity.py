@@ -132,6 +132,7 @@ class ParityReport:
     records: list[OutputParity] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # format -> why it could not be run
     exploration: list[Any] = field(default_factory=list)  # exploration.ExplorationCheck
+    localization: list[dict[str, Any]] = field(default_factory=list)  # localize.Localization.to_json()
 
     @property
     def passed(self) -> bool:
@@ -152,7 +153,8 @@ class ParityReport:
         return {"reference": self.reference, "samples": self.samples, "seed": self.seed,
                 "devices": self.devices, "passed": self.passed, "errors": dict(self.errors),
                 "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records],
-                "exploration": [c.to_json() for c in self.exploration]}
+                "exploration": [c.to_json() for c in self.exploration],
+                "localization": list(self.localization)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "ParityReport":
