@@ -15,6 +15,8 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from policy_export.exporter import defaults as D
+
 PROG = "policy-export"
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130  # SIGINT, SIGTERM and SIGHUP alike
@@ -29,8 +31,10 @@ def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> 
     p.add_argument("--samples", type=int, default=samples_default, metavar="N",
                    help="observations sampled for parity" + (f" (default {samples_default})" if samples_default else
                                                              " (default 0: golden inputs only)"))
-    p.add_argument("--atol", type=float, default=None, metavar="X", help="default absolute tolerance (1e-5)")
-    p.add_argument("--rtol", type=float, default=None, metavar="X", help="default relative tolerance (1e-5)")
+    p.add_argument("--atol", type=float, default=None, metavar="X",
+                   help=f"default absolute tolerance ({D.DEFAULT_ATOL:g})")
+    p.add_argument("--rtol", type=float, default=None, metavar="X",
+                   help=f"default relative tolerance ({D.DEFAULT_RTOL:g})")
     p.add_argument("--tolerance", action="append", default=[], metavar="KEY=ATOL[:RTOL]",
                    help="tolerance for one output; repeatable")
     p.add_argument("--allow-non-finite", action="append", default=[], metavar="KEY",
@@ -61,18 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     ex.add_argument("--formats", default=None, metavar="LIST",
                     help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras (default all)")
-    ex.add_argument("--opset", type=int, default=17, metavar="N", help="ONNX opset (default 17)")
-    ex.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the parity samples (default 0)")
+    ex.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N",
+                    help=f"ONNX opset (default {D.DEFAULT_OPSET})")
+    ex.add_argument("--seed", type=int, default=D.EXPORT_SEED, metavar="S",
+                    help=f"seed of the parity samples (default {D.EXPORT_SEED})")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
     ex.add_argument("--inputs-as-nchw", action="store_true",
                     help="ONNX model takes rank-4 image inputs as NCHW (other inputs keep their layout)")
-    ex.add_argument("--explore-samples", type=int, default=10_000, metavar="N",
+    ex.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
                     help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
-    _parity_options(ex, 1000)
+    _parity_options(ex, D.DEFAULT_SAMPLES)
 
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
     ve.add_argument("out", metavar="OUT", help="export directory")
-    ve.add_argument("--seed", type=int, default=1, metavar="S", help="seed of fresh samples (default 1)")
+    ve.add_argument("--seed", type=int, default=D.VERIFY_SEED, metavar="S",
+                    help=f"seed of fresh samples (default {D.VERIFY_SEED})")
     ve.add_argument("--expect-manifest-sha256", metavar="HEX", default=None,
                     help="fail unless manifest.json has this sha256 (pin the digest kept outside the export)")
     ve.add_argument("--localize", action="store_true",
@@ -101,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--out", required=True, metavar="OUT")
     co.add_argument("--signature", default="serving_default", metavar="KEY")
     co.add_argument("--tag", default="serve", metavar="TAG")
-    co.add_argument("--opset", type=int, default=17, metavar="N")
-    co.add_argument("--samples", type=int, default=1000, metavar="N")
+    co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
+    co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
     co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     _tf32_option(co)
     co.add_argument("--overwrite", action="store_true")
@@ -325,7 +332,7 @@ def _cmd_export(args, console) -> int:
 
 
 def _cmd_verify(args, console) -> int:
-    from policy_export.exporter.manifest import read_manifest
+    from policy_export.exporter.manifest import MANIFEST, read_manifest
     from policy_export.exporter.parity import Tolerances
 
     from policy_export.policy.errors import InputError
@@ -344,7 +351,7 @@ def _cmd_verify(args, console) -> int:
         from policy_export.policy.spaces import space_from_json
 
         _check_samples(args, space_from_json(doc.get("spaces", {}).get("observation"), "$.spaces.observation",
-                                             str(Path(args.out) / "manifest.json")))
+                                             str(Path(args.out) / MANIFEST)))
     _heavy_imports(args)
 
     from policy_export.exporter.api import verify_export

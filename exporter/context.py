@@ -9,7 +9,7 @@ from typing import Any
 from policy_export.exporter.devices import DevicePlan
 from policy_export.policy.errors import InputError
 
-DEFAULT_OPSET = 17
+from policy_export.exporter.defaults import DEFAULT_OPSET  # noqa: F401 (re-exported)
 SUPPORTED_OPSETS = range(13, 22)
 ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras")
 

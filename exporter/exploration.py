@@ -33,9 +33,9 @@ import numpy as np
 from policy_export.exporter.parity import Runner, run_batched
 from policy_export.policy.spaces import leaves
 
-DEFAULT_EXPLORE_SAMPLES = 10_000
-DEFAULT_OBSERVATIONS = 4
-DEFAULT_ALPHA = 1e-3
+from policy_export.exporter.defaults import (  # noqa: E402,F401 (re-exported)
+    DEFAULT_ALPHA, DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS,
+)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,9 @@ from policy_export.policy.spaces import leaf_dtype, leaves
 if TYPE_CHECKING:
     from policy_export.signatures.contract import Contract
 
-DEFAULT_ATOL = 1e-5
-DEFAULT_RTOL = 1e-5
-DEFAULT_SAMPLES = 1000
-DEFAULT_BATCH = 256
+from policy_export.exporter.defaults import (  # noqa: E402,F401 (re-exported)
+    DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, DEFAULT_SAMPLES,
+)
 LARGE_BOUND = 1e6  # float Box bounds beyond this are sampled as unbounded (see sampling_space)
 
 Runner = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]

@@ -1,0 +1,13 @@
+"""Default settings of an export and of verify, in one light module (no numpy or TensorFlow), so
+that the command line's defaults and help texts are the library's own."""
+
+DEFAULT_OPSET = 17  # ONNX opset of model.onnx and model_deterministic.onnx
+DEFAULT_ATOL = 1e-5  # parity tolerance: |actual - reference| <= atol + rtol * |reference|
+DEFAULT_RTOL = 1e-5
+DEFAULT_SAMPLES = 1000  # observations sampled for golden parity at export
+DEFAULT_BATCH = 256  # rows per runtime call during parity
+DEFAULT_EXPLORE_SAMPLES = 10_000  # exploration draws per runtime
+DEFAULT_OBSERVATIONS = 4  # probe observations of exploration parity
+DEFAULT_ALPHA = 1e-3  # false-failure rate of one format's family of exploration tests
+EXPORT_SEED = 0  # seed of export's parity samples
+VERIFY_SEED = 1  # seed of verify's fresh samples
