@@ -8,6 +8,6 @@ DEFAULT_SAMPLES = 1000  # observations sampled for golden parity at export
 DEFAULT_BATCH = 256  # rows per runtime call during parity
 DEFAULT_EXPLORE_SAMPLES = 10_000  # exploration draws per runtime
 DEFAULT_OBSERVATIONS = 4  # probe observations of exploration parity
-DEFAULT_ALPHA = 1e-3  # false-failure rate of one format's family of exploration tests
+DEFAULT_ALPHA = 1e-6  # false-failure rate of one format's family of exploration tests
 EXPORT_SEED = 0  # seed of export's parity samples
 VERIFY_SEED = 1  # seed of verify's fresh samples

@@ -17,6 +17,7 @@ from policy_export.exporter import ParityFailedError, export_policy, export_spec
 from policy_export.exporter import onnx_model
 from policy_export.exporter.saved_model import SavedModelRunner
 from policy_export.exporter.devices import plan_devices
+from policy_export.exporter.defaults import DEFAULT_ALPHA
 from policy_export.policy import TFPolicy, UnsupportedSpaceError, spec_from_json
 from policy_export.policy.spaces import leaves, space_to_json
 
@@ -69,7 +70,8 @@ def test_exploration_parity_states_its_tests_and_passes(name, kinds, exports):
     assert {c.test for c in checks} == kinds
     assert {c.format for c in checks} == {"saved_model", "frozen_graph", "onnx"}
     assert all(c.samples * 4 >= 10_000 for c in checks)  # 4 observations, >= 10,000 draws per runtime
-    threshold = 1e-3 / (len(checks) / 3)  # Bonferroni over each format's family of tests
+    threshold = DEFAULT_ALPHA / (len(checks) / 3)  # Bonferroni over each format's family of tests
+    assert DEFAULT_ALPHA == 1e-6
     assert all(c.threshold == pytest.approx(threshold) and c.p_value >= threshold for c in checks)
     logp = [r for r in result.parity.records if r.key == "action_logp of its samples"]
     assert {r.format for r in logp} == {"saved_model (explore)", "frozen_graph (explore)", "onnx (explore)"}
