@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from policy_export.exporter import frozen_graph, keras_model, manifest, onnx_model, saved_model
+from policy_export.exporter import formats as registry
+from policy_export.exporter import frozen_graph, keras_model, manifest
 from policy_export.exporter.context import (
     ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,  # noqa: F401 (re-exported)
 )
@@ -47,18 +48,12 @@ from policy_export.policy.spaces import check_sample_budget, leaves, space_to_js
 from policy_export.policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP
 from policy_export.signatures.builder import build_signature
 from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import EXPLORE, OBSERVATIONS, action_key
 
 log = logging.getLogger(__name__)
 
 PARITY_DIR = "parity"
 MODEL_IO_PREFIX = replay.MODEL_IO_PREFIX
-_WRITERS = {
-    "saved_model": (saved_model.write, saved_model.DIRNAME),
-    "frozen_graph": (frozen_graph.write, frozen_graph.FILENAME),
-    "onnx": (onnx_model.write, onnx_model.FILENAME),
-    "onnx_deterministic": (onnx_model.write_deterministic, onnx_model.DETERMINISTIC_FILENAME),
-    "keras": (keras_model.write, keras_model.DIRNAME),
-}
 
 
 @contextlib.contextmanager
@@ -84,7 +79,7 @@ def tf32_tolerances(tolerances: Tolerances, plan: DevicePlan) -> Tolerances:
 
 def check_export_files(out: Path, doc: Mapping[str, Any]) -> manifest.FileCheck:
     """The file check of an export (changed, missing, extra and special files, each named)."""
-    return manifest.check_files(out, doc, {fmt: path for fmt, (_, path) in _WRITERS.items()})
+    return manifest.check_files(out, doc, registry.paths())
 
 
 class ParityFailedError(CheckFailedError):
@@ -173,6 +168,7 @@ def export_policy(
         ParityFailedError: an output differs beyond its tolerance (nothing is written).
         ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
     """
+    explicit = formats is not None
     formats = resolve_formats(formats)
     check_opset(opset)
     if samples < 1:
@@ -190,38 +186,34 @@ def export_policy(
     unknown_tol = sorted(named - set(signature.contract.output_keys))
     if unknown_tol:
         raise InputError(f"tolerance given for unknown output(s) {unknown_tol}; outputs are {signature.contract.output_keys}")
-    if "keras" in formats and policy.model is None:
-        formats = tuple(f for f in formats if f != "keras")
-        log.info("the policy has no Keras base model: skipping the keras format")
-    if "onnx_deterministic" in formats and not policy.deterministic_outputs:
-        formats = tuple(f for f in formats if f != "onnx_deterministic")
-        log.info("the policy exposes no deterministic outputs: skipping onnx_deterministic")
+    chosen = _writable(policy, formats, explicit)
+    formats = tuple(f.name for f in chosen)
     ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw)
 
     timings: dict[str, float] = {}
     with _disk_errors(out), staged_directory(out, overwrite) as stage:
         records: dict[str, FormatRecord] = {}
-        if "frozen_graph" in formats or "onnx" in formats:
+        if any(f.capabilities.needs_frozen_graph for f in chosen):
             with _stage(timings, "freeze"):
                 ctx.frozen_graph_def()
-        for fmt in formats:
-            writer, name = _WRITERS[fmt]
-            log.info("writing %s", fmt)
-            with _stage(timings, f"write {fmt}"):
-                records[fmt] = writer(ctx, stage / name)
+        for fmt in chosen:
+            log.info("writing %s", fmt.name)
+            with _stage(timings, f"write {fmt.name}"):
+                records[fmt.name] = fmt.write(ctx, stage / fmt.path)
         parity_start = time.perf_counter()
         golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
         parity_plan = ParityPlan(golden_in, _reference_outputs(policy, golden_in, batch_size))
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
         explore = None
-        if explore_samples > 0 and "explore" in signature.inputs:
+        if explore_samples > 0 and EXPLORE in signature.inputs:
             explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size)
             parity_plan.exploration = explore.plan
         if policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0:
             parity_plan.stepped = _stepped_plan(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES, seed)
-        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore,
-                               {k: r.details for k, r in records.items()})
-        replay.check_formats(stage, formats, signature.tensor_names(), plan, checks, report)
+        info = {k: r.details for k, r in records.items()}
+        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore, info)
+        view = {"tensor_names": signature.tensor_names(), "contract": signature.contract.to_json(), "formats": info}
+        replay.check_formats(stage, formats, view, plan, checks, report)
         timings["parity"] = time.perf_counter() - parity_start
         _write_golden(stage, parity_plan, report)
         doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
@@ -244,10 +236,10 @@ def _localize_failed(stage: Path, ctx: ExportContext, formats, signature, parity
                      report: ParityReport) -> None:
     """For each ONNX format that failed, the first intermediate tensor where it leaves the frozen
     graph (:mod:`exporter.localize`), added to ``report.localization``."""
-    from policy_export.exporter.localize import ONNX_FORMATS, localize_formats
+    from policy_export.exporter.localize import localize_formats
 
     failed = {r.format.split(" ")[0] for r in report.failures() if hasattr(r, "format")} | set(report.errors)
-    models = {f: stage / name for f, name in ONNX_FORMATS.items() if f in formats and f in failed}
+    models = {f.name: stage / f.path for f in registry.with_capability("onnx", formats) if f.name in failed}
     if not models:
         return
     frozen = stage / frozen_graph.FILENAME
@@ -336,10 +328,10 @@ def verify_export(
     if candidates:
         notes.append("candidates: " + ", ".join(f"{f}={p}" for f, p in candidates.items())
                      + " (the export's own formats are not run)")
-        replay.check_candidates(candidates, doc["tensor_names"], plan, checks, report)
+        replay.check_candidates(candidates, doc, plan, checks, report)
     else:
         formats = [f for f in doc["formats"] if f not in report.errors]
-        replay.check_formats(out, formats, doc["tensor_names"], plan, checks, report, collect_errors=True)
+        replay.check_formats(out, formats, doc, plan, checks, report, collect_errors=True)
     if samples > 0 and not report.errors:
         notes.append(_fresh_samples(out, doc, plan, samples, seed, checks, report, candidates))
     if localize:
@@ -350,14 +342,15 @@ def verify_export(
 def _localize_verified(out: Path, doc, check, candidates, golden_inputs, tolerances: Tolerances,
                        report: ParityReport) -> str:
     """``verify --localize``: localise every ONNX model checked against the trusted frozen graph."""
-    from policy_export.exporter.localize import ONNX_FORMATS, localize_formats
+    from policy_export.exporter.localize import localize_formats
 
     if not check.trusted(frozen_graph.FILENAME) or frozen_graph.FILENAME not in {f["path"] for f in doc["files"]}:
         return "localize: not run, the export has no trusted frozen graph to compare with"
+    onnx_formats = registry.with_capability("onnx")
     if candidates:
-        models = {f: Path(p) for f, p in candidates.items() if f in ONNX_FORMATS}
+        models = {f.name: Path(candidates[f.name]) for f in onnx_formats if f.name in candidates}
     else:
-        models = {f: out / name for f, name in ONNX_FORMATS.items() if f in doc["formats"] and check.trusted(name)}
+        models = {f.name: out / f.path for f in onnx_formats if f.name in doc["formats"] and check.trusted(f.path)}
     if not models:
         return "localize: no ONNX model to localise"
     report.localization.extend(localize_formats(out / frozen_graph.FILENAME, models, doc["tensor_names"]["inputs"],
@@ -390,22 +383,19 @@ def _fresh_samples(out: Path, doc: Mapping[str, Any], plan: DevicePlan, samples:
                    checks: replay.Replay, report: ParityReport, candidates: Mapping[str, Path]) -> str:
     """Compare the formats (or candidates) with the SavedModel (else the frozen graph) on new samples;
     returns a note saying what was compared."""
-    formats = doc["formats"]
-    ref_fmt = next((f for f in ("saved_model", "frozen_graph") if f in formats), None)
-    if ref_fmt is None:
-        return "fresh samples: not compared, the export has no reference format (saved_model or frozen_graph)"
-
-    def opener(fmt: str, path: Path):
-        return lambda: replay.open_runner(fmt, path, doc["tensor_names"], plan)
-
+    references = registry.with_capability("reference", doc["formats"])
+    if not references:
+        names = ", ".join(f.name for f in registry.with_capability("reference"))
+        return f"fresh samples: not compared, the export has no reference format ({names})"
+    ref = references[0]
     if candidates:
-        others = {replay.candidate_label(f): (f, opener(f, p)) for f, p in candidates.items()}
+        others = [replay.Opened(replay.candidate_label(f), registry.get(f), p) for f, p in candidates.items()]
     else:
-        others = {f: (f, opener(f, out / _WRITERS[f][1])) for f in formats
-                  if f in replay.RUNNABLE and f != ref_fmt}
+        others = [replay.Opened(f.name, f, out / f.path) for f in registry.with_capability("signature", doc["formats"])
+                  if f is not ref]
     feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(out / manifest.MANIFEST))
-    replay.check_fresh_samples(feeds, (ref_fmt, opener(ref_fmt, out / _WRITERS[ref_fmt][1])), others, checks, report)
-    return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref_fmt}"
+    replay.check_fresh_samples(feeds, replay.Opened(ref.name, ref, out / ref.path), others, doc, plan, checks, report)
+    return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref.name}"
 
 
 def _check_pin(digest: str | None) -> str | None:
@@ -425,16 +415,16 @@ def _check_tolerance_keys(tolerances: Tolerances, contract: Contract, doc: Mappi
 
 def _untrusted_formats(out: Path, doc: Mapping[str, Any], check: manifest.FileCheck, report: ParityReport) -> None:
     """Record in ``report.errors`` every format that is unknown, missing, or has a file that failed its hash."""
-    for fmt, info in doc["formats"].items():
-        if fmt not in _WRITERS:
-            report.errors[fmt] = f"unknown format {fmt!r} in the manifest"
+    known = registry.paths()
+    for name, info in doc["formats"].items():
+        if name not in known:
+            report.errors[name] = f"unknown format {name!r} in the manifest"
             continue
-        files = info.get("files", [])
-        own = {_WRITERS[fmt][1], *(files if isinstance(files, list) else [])}
-        if not all(check.trusted(p) for p in own):
-            report.errors[fmt] = "not loaded: its files failed the hash check"
-        elif not (out / _WRITERS[fmt][1]).exists():
-            report.errors[fmt] = f"{_WRITERS[fmt][1]} is missing"
+        fmt = registry.get(name)
+        if not all(check.trusted(p) for p in fmt.files(info)):
+            report.errors[name] = "not loaded: its files failed the hash check"
+        elif not (out / fmt.path).exists():
+            report.errors[name] = f"{fmt.path} is missing"
 
 
 # ---------------------------------------------------------------------------- internals
@@ -496,15 +486,38 @@ def _stepped_plan(policy, contract: Contract, steps: int, sequences: int, seed: 
     return SteppedPlan(inputs, initial, serving, training)
 
 
-def load_runner(fmt: str, root: Path, tensor_names: Mapping[str, Any], plan: DevicePlan):
-    """A runner (``runner(feeds) -> outputs``, keyed by signature keys) for one format of an export.
+def load_runner(fmt: str, root: Path, doc: Mapping[str, Any], plan: DevicePlan):
+    """A runner (a context manager; ``runner(feeds) -> outputs`` keyed by signature keys) for one
+    format of the export at ``root`` whose manifest is ``doc``.
 
     Raises:
+        InputError: no format has that name.
         ExportError: the format has no runner, or its file does not load.
     """
-    if fmt not in _WRITERS:
-        raise ExportError(f"no runner for format {fmt!r}")
-    return replay.open_runner(fmt, root / _WRITERS[fmt][1], tensor_names, plan)
+    format_ = registry.get(fmt)
+    if not format_.capabilities.signature:
+        raise ExportError(f"the {fmt} format does not run the policy's signature")
+    return format_.open(root / format_.path, doc, plan)
+
+
+def _writable(policy, names: Sequence[str], explicit: bool) -> list:
+    """The formats of ``names`` that can be written for ``policy``. One that cannot is skipped
+    (logged) when the formats were left to the default, and refused when they were named.
+
+    Raises:
+        InputError: a named format cannot be written for this policy.
+    """
+    chosen = []
+    for name in names:
+        fmt = registry.get(name)
+        reason = fmt.skip_reason(policy)
+        if reason is None:
+            chosen.append(fmt)
+        elif explicit:
+            raise InputError(f"format {name!r} cannot be written: {reason}; leave it out of the formats")
+        else:
+            log.info("%s: skipping the %s format", reason, name)
+    return chosen
 
 
 def _write_golden(root: Path, parity_plan: ParityPlan, report: ParityReport) -> None:
@@ -520,8 +533,8 @@ def _device_info(plan: DevicePlan) -> dict[str, Any]:
 
 def _manifest(policy, signature, records: Mapping[str, FormatRecord], opset: int, tolerances: Tolerances,
               report: ParityReport, root: Path) -> dict[str, Any]:
-    obs_keys = {leaf.key("observations"): list(leaf.path) for leaf in leaves(policy.observation_space)}
-    act_keys = {f"actions_{i}": list(leaf.path) for i, leaf in enumerate(leaves(policy.action_space))}
+    obs_keys = {leaf.key(OBSERVATIONS): list(leaf.path) for leaf in leaves(policy.observation_space)}
+    act_keys = {action_key(i): list(leaf.path) for i, leaf in enumerate(leaves(policy.action_space))}
     return {
         "manifest_version": manifest.MANIFEST_VERSION,
         "name": policy.name,
@@ -530,7 +543,7 @@ def _manifest(policy, signature, records: Mapping[str, FormatRecord], opset: int
         "opset": opset,
         "spaces": {"observation": space_to_json(policy.observation_space),
                    "action": space_to_json(policy.action_space)},
-        "keys": {"observations": obs_keys, "actions": act_keys},
+        "keys": {OBSERVATIONS: obs_keys, "actions": act_keys},
         "contract": signature.contract.to_json(),
         "tensor_names": signature.tensor_names(),
         "formats": {name: {"files": list(r.files), **r.details} for name, r in records.items()},

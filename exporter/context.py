@@ -6,22 +6,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy_export.exporter import formats as registry
 from policy_export.exporter.devices import DevicePlan
 from policy_export.policy.errors import InputError
 
 from policy_export.exporter.defaults import DEFAULT_OPSET  # noqa: F401 (re-exported)
 SUPPORTED_OPSETS = range(13, 22)
-ALL_FORMATS = ("saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras")
+ALL_FORMATS = registry.names()  # every registered format, in export order
 
 
 def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a format list (``None`` means all) and put it in the canonical order.
+    """Validate a format list (``None`` means the default formats) and put it in export order.
 
     Raises:
         InputError: an empty list or an unknown format.
     """
     if formats is None:
-        return ALL_FORMATS
+        return registry.default_names()
     unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown or not formats:
         raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")

@@ -41,11 +41,14 @@ from policy_export.exporter.devices import plan_devices
 from policy_export.policy.errors import ExportError, InputError
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import TFPolicy, session_config
+from policy_export.signatures.builder import find_signature
+from policy_export.signatures.keys import (
+    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, action_key, is_observation, state_in_key, state_out_key,
+)
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
-KNOWN_INPUTS = ("observations", "is_training", "seq_lens", "prev_action", "prev_reward", "timestep", "explore")
-KNOWN_OUTPUTS = ("action_dist_inputs", "action_logp", "action_prob")
+from policy_export.signatures.keys import KNOWN_INPUTS, KNOWN_OUTPUTS  # noqa: E402,F401 (re-exported)
 EXPLORE_SWITCH = "is_exploring"
 VARIABLE_COLLECTIONS = ("variables", "trainable_variables", "local_variables", "model_variables")
 VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
@@ -127,9 +130,7 @@ def prune_meta_graph(meta: tf1.MetaGraphDef, signature_key: str = "serving_defau
     Raises:
         ExportError: the signature is missing, or several hidden exploration switches feed it.
     """
-    if signature_key not in meta.signature_def:
-        raise ExportError(f"the SavedModel has no signature {signature_key!r}; it has {sorted(meta.signature_def)}")
-    sig = meta.signature_def[signature_key]
+    sig = find_signature(meta, signature_key)
     graph_def = meta.graph_def
     roots = {_node(t.name) for t in list(sig.inputs.values()) + list(sig.outputs.values())}
     kept = tf1.graph_util.extract_sub_graph(graph_def, sorted(roots))
@@ -214,7 +215,7 @@ def _restore_variables(session: tf1.Session, graph: tf.Graph, path: Path) -> int
         variables = tf1.global_variables() + tf1.local_variables()
     if not variables:
         return 0
-    from policy_export.exporter.saved_model import glob_free_path
+    from policy_export.exporter.tf_runner import glob_free_path
 
     try:
         with glob_free_path(path) as alias:  # TF looks checkpoints up by glob pattern
@@ -288,13 +289,13 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
         with graph.as_default():
             tf1.train.import_meta_graph(pruned.meta_graph, clear_devices=True)
         _restore_variables(session, graph, path)
-        sig = pruned.meta_graph.signature_def[signature_key]
+        sig = find_signature(pruned.meta_graph, signature_key)
         inputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.inputs.items()}
         outputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.outputs.items()}
         if pruned.explore_switch is not None:
-            if "explore" in inputs:
+            if EXPLORE in inputs:
                 raise ExportError(f"the signature has an 'explore' input and a hidden switch {pruned.explore_switch!r}")
-            inputs["explore"] = graph.get_tensor_by_name(f"{pruned.explore_switch}:0")
+            inputs[EXPLORE] = graph.get_tensor_by_name(f"{pruned.explore_switch}:0")
         policy, mapping = _build_policy(path, graph, session, inputs, outputs, state_pairs,
                                         observation_space, action_space)
     except (ExportError, InputError):
@@ -308,16 +309,16 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
                          "dropped_collections": pruned.dropped_collections},
               "spaces": _spaces_record(policy, observation_space is not None, action_space is not None)}
     if pruned.explore_switch is not None:
-        source["explore"] = {"from": pruned.explore_switch, "in_source_signature": False,
+        source[EXPLORE] = {"from": pruned.explore_switch, "in_source_signature": False,
                              "original_default": pruned.explore_original_default, "default": False}
-        mapping["explore"] = f"{pruned.explore_switch}:0"
+        mapping[EXPLORE] = f"{pruned.explore_switch}:0"
     return policy, source
 
 
 def _split_keys(inputs: dict[str, tf.Tensor], outputs: dict[str, tf.Tensor],
                 state_pairs: list[tuple[str, str]] | None) -> tuple[dict, list[str], list[str], list[str]]:
     """Observation inputs, action keys, state input keys and state output keys, checked."""
-    obs = {k: t for k, t in inputs.items() if k == "observations" or k.startswith("observations/")}
+    obs = {k: t for k, t in inputs.items() if is_observation(k)}
     if not obs:
         raise ExportError(f"the signature has no 'observations' input; inputs are {sorted(inputs)}")
     action_keys = sorted((k for k in outputs if re.fullmatch(r"actions(_\d+)?", k)), key=natural_key)
@@ -336,7 +337,7 @@ def _split_keys(inputs: dict[str, tf.Tensor], outputs: dict[str, tf.Tensor],
     for a, b in zip(state_in, state_out):
         if inputs[a].shape.as_list() != outputs[b].shape.as_list() and None not in outputs[b].shape.as_list()[1:]:
             raise ExportError(f"state input {a!r} {inputs[a].shape} and output {b!r} {outputs[b].shape} do not pair up")
-    if state_in and "seq_lens" not in inputs:
+    if state_in and SEQ_LENS not in inputs:
         raise ExportError("the signature has state inputs but no 'seq_lens' input")
     return obs, action_keys, state_in, state_out
 
@@ -345,8 +346,8 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
                   outputs: dict[str, tf.Tensor], state_pairs, observation_space, action_space
                   ) -> tuple[TFPolicy, dict[str, str]]:
     obs, action_keys, state_in, state_out = _split_keys(inputs, outputs, state_pairs)
-    mapping = {f"state_in_{i}": k for i, k in enumerate(state_in)}
-    mapping.update({f"state_out_{i}": k for i, k in enumerate(state_out)})
+    mapping = {state_in_key(i): k for i, k in enumerate(state_in)}
+    mapping.update({state_out_key(i): k for i, k in enumerate(state_out)})
     extras = {}
     for key, tensor in outputs.items():
         if key in action_keys or key in KNOWN_OUTPUTS or key in state_out:
@@ -356,9 +357,9 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
             mapping[clean_key(key)] = key
 
     serving_in = {k: t for k, t in inputs.items() if k not in state_in}
-    serving_in.update({f"state_in_{i}": inputs[k] for i, k in enumerate(state_in)})
-    serving_out = {f"actions_{i}": _identity(graph, outputs[k], f"actions_{i}") for i, k in enumerate(action_keys)}
-    serving_out.update({f"state_out_{i}": outputs[k] for i, k in enumerate(state_out)})
+    serving_in.update({state_in_key(i): inputs[k] for i, k in enumerate(state_in)})
+    serving_out = {action_key(i): _identity(graph, outputs[k], action_key(i)) for i, k in enumerate(action_keys)}
+    serving_out.update({state_out_key(i): outputs[k] for i, k in enumerate(state_out)})
     serving_out.update({k: outputs[k] for k in KNOWN_OUTPUTS if k in outputs})
     serving_out.update(extras)
     sequence_graph = None
@@ -368,21 +369,21 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
 
     obs_t = {k: serving_in[k] for k in obs}
     obs_space = _observation_space(obs_t, observation_space)
-    actions = [serving_out[f"actions_{i}"] for i in range(len(action_keys))]
-    act_space = _action_space(actions, serving_out.get("action_dist_inputs"), action_space)
+    actions = [serving_out[action_key(i)] for i in range(len(action_keys))]
+    act_space = _action_space(actions, serving_out.get(ACTION_DIST_INPUTS), action_space)
     n_state = len(state_in)
     policy = TFPolicy(
         obs_space, act_space, session,
-        observations=obs_t if len(obs_t) > 1 or "observations" not in obs_t else obs_t["observations"],
+        observations=obs_t if len(obs_t) > 1 or OBSERVATIONS not in obs_t else obs_t[OBSERVATIONS],
         sampled_action=actions,
-        action_logp=serving_out.get("action_logp"), action_prob=serving_out.get("action_prob"),
-        action_dist_inputs=serving_out.get("action_dist_inputs"),
-        explore=serving_in.get("explore"), is_training=serving_in.get("is_training"),
-        timestep=serving_in.get("timestep"),
-        state_inputs=[serving_in[f"state_in_{i}"] for i in range(n_state)],
-        state_outputs=[serving_out[f"state_out_{i}"] for i in range(n_state)],
-        seq_lens=serving_in.get("seq_lens"), prev_action=serving_in.get("prev_action"),
-        prev_reward=serving_in.get("prev_reward"),
+        action_logp=serving_out.get(ACTION_LOGP), action_prob=serving_out.get(ACTION_PROB),
+        action_dist_inputs=serving_out.get(ACTION_DIST_INPUTS),
+        explore=serving_in.get(EXPLORE), is_training=serving_in.get(IS_TRAINING),
+        timestep=serving_in.get(TIMESTEP),
+        state_inputs=[serving_in[state_in_key(i)] for i in range(n_state)],
+        state_outputs=[serving_out[state_out_key(i)] for i in range(n_state)],
+        seq_lens=serving_in.get(SEQ_LENS), prev_action=serving_in.get(PREV_ACTION),
+        prev_reward=serving_in.get(PREV_REWARD),
         extra_fetches={k: serving_out[k] for k in extras}, name=path.name, sequence_graph=sequence_graph,
     )
     return policy, mapping
@@ -400,7 +401,7 @@ def _observation_space(obs: dict[str, tf.Tensor], given: gym.Space | None) -> gy
     """``given`` checked against the observation tensors, or a space inferred from them."""
     if given is None:
         return _infer_observation_space(obs)
-    got = {leaf.key("observations"): leaf.space for leaf in leaves(given)}
+    got = {leaf.key(OBSERVATIONS): leaf.space for leaf in leaves(given)}
     if sorted(got) != sorted(obs):
         raise InputError(f"the observation space has leaves {sorted(got)} but the SavedModel takes {sorted(obs)}"
                          + ("; give the space the graph sees (RLlib flattens Dict/Tuple observations into one Box)"
@@ -418,7 +419,7 @@ def _action_space(actions: list[tf.Tensor], dist_inputs: tf.Tensor | None, given
     if len(got) != len(actions):
         raise InputError(f"the action space has {len(got)} leaves but the SavedModel computes {len(actions)} actions")
     for i, (leaf, tensor) in enumerate(zip(got, actions)):
-        _check_leaf("action", f"actions_{i}", leaf.space, tensor)
+        _check_leaf("action", action_key(i), leaf.space, tensor)
     return given
 
 
@@ -454,8 +455,8 @@ def _infer_observation_space(obs: dict[str, tf.Tensor]) -> gym.Space:
             return gym.spaces.Box(-1.0, 1.0, tuple(shape), dtype)
         return gym.spaces.Box(0, 1, tuple(shape), dtype)
 
-    if set(obs) == {"observations"}:
-        return one("observations", obs["observations"])
+    if set(obs) == {OBSERVATIONS}:
+        return one(OBSERVATIONS, obs[OBSERVATIONS])
     spaces = {k.split("/", 1)[1]: one(k, t) for k, t in obs.items()}
     return gym.spaces.Dict(spaces)
 
@@ -504,15 +505,13 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
     if dist_inputs is not None:
         raise InputError("--dist-inputs applies to Keras base models only; this SavedModel has 'actions' outputs")
     check_target(Path(out).absolute(), options.get("overwrite", False))
-    formats = options.pop("formats", None) or ["saved_model", "frozen_graph", "onnx"]
-    if "keras" in formats:
-        raise InputError("a converted SavedModel has no Keras base model; leave 'keras' out of the formats")
+    formats = options.pop("formats", None)  # a format the converted policy cannot have is refused by name
     policy, record = load_saved_model_policy(path, signature_key, tag, device, state_pairs,
                                              observation_space, action_space)
     source = {"converted_from": str(Path(path).absolute()), "signature": signature_key, "tag": tag, **record}
-    if "explore" in record:
+    if EXPLORE in record:
         log.info("the hidden exploration switch %s (default %s) is the 'explore' input, default false",
-                 record["explore"]["from"], record["explore"]["original_default"])
+                 record[EXPLORE]["from"], record[EXPLORE]["original_default"])
     try:
         return export_policy(policy, out, formats=formats, device=device, source=source, **options)
     finally:

@@ -38,6 +38,8 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.policy.errors import ExportError, InputError
+from policy_export.signatures.builder import find_signature
+from policy_export.signatures.keys import ACTION_DIST_INPUTS, OBSERVATIONS, action_key
 
 log = logging.getLogger(__name__)
 ACTION_KEY = re.compile(r"actions(_\d+)?")
@@ -150,7 +152,7 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
     obs_space, flatten = observation_space_for(observation_space, in_shape, in_dtype.as_numpy_dtype)
     policy = _build_policy(path, graph_def, sig, in_info, dist_key, obs_space, flatten, action_space,
                            plan.tf_device)
-    mapping = {"observations": in_key, "action_dist_inputs": dist_key}
+    mapping = {OBSERVATIONS: in_key, ACTION_DIST_INPUTS: dist_key}
     mapping.update({_clean(k): k for k in sig.outputs if k != dist_key})
     mapping = {new: old for new, old in mapping.items() if new != old}
     log.info("converted Keras base model %s: distribution inputs %r, extra outputs %s", path, dist_key,
@@ -168,7 +170,7 @@ def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | N
     if not (path / "saved_model.pb").is_file():
         raise ExportError(f"{path} is not a SavedModel directory (no saved_model.pb); note that RLlib's "
                           f"export_model writes an empty folder for LSTM policies")
-    from policy_export.exporter.saved_model import glob_free_path
+    from policy_export.exporter.tf_runner import glob_free_path
     from policy_export.exporter.trust import check_saved_model
 
     check_saved_model(path)  # before any of its ops can run
@@ -179,9 +181,7 @@ def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | N
                 meta = tf1.saved_model.loader.load(session, [tag], str(alias))
         except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
             raise ExportError(f"cannot load SavedModel {path} with tag {tag!r}: {e}") from e
-        if signature_key not in meta.signature_def:
-            raise ExportError(f"{path} has no signature {signature_key!r}; it has {sorted(meta.signature_def)}")
-        sig = meta.signature_def[signature_key]
+        sig = find_signature(meta, signature_key, str(path))
         names = sorted({v.name.split(":")[0] for v in sig.outputs.values()})
         try:
             with graph.as_default():
@@ -280,7 +280,7 @@ def _build_policy(path: Path, graph_def, sig, in_info, dist_key: str, obs_space:
         # RLlib's StochasticSampling: the log-probability of a sample, 0 for the deterministic action
         sampled_logp = dist.logp(raw)
         logp = tf.cond(explore, lambda: sampled_logp, lambda: tf.zeros_like(sampled_logp), name=ACTION_LOGP)
-        actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(dist.postprocess(raw, clip=False))]
+        actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(dist.postprocess(raw, clip=False))]
         extras = {_clean(k): tf.identity(t, name=f"extra/{_clean(k)}") for k, t in outputs.items() if k != dist_key}
         deterministic = _rllib_deterministic_path(dist, dist_inputs, extras)
     session = tf1.Session(graph=graph, config=session_config(device))
@@ -299,7 +299,7 @@ def _rllib_deterministic_path(dist, dist_inputs, extras: dict) -> dict:
 
     with tf.compat.v1.name_scope("deterministic"):
         det = dist.deterministic_sample()
-        out = {f"actions_{i}": tf.identity(a) for i, a in enumerate(dist.postprocess(det, clip=False))}
+        out = {action_key(i): tf.identity(a) for i, a in enumerate(dist.postprocess(det, clip=False))}
         out.update(extras)
         zeros = tf.zeros_like(dist_inputs[:, 0])
         out.update({ACTION_DIST_INPUTS: tf.identity(dist_inputs), ACTION_LOGP: tf.identity(zeros),
@@ -331,10 +331,7 @@ def convert_keras_model(path: str | Path, out: str | Path, *, action_space: gym.
                          f"is not stored in it, so --action-space is required, e.g. "
                          f"'{{\"type\": \"Discrete\", \"n\": 2}}'")
     check_target(Path(out).absolute(), options.get("overwrite", False))
-    formats = options.pop("formats", None) or ["saved_model", "frozen_graph", "onnx", "onnx_deterministic"]
-    if "keras" in formats:
-        raise InputError("a converted Keras base model is served through the policy graph; "
-                         "leave 'keras' out of the formats")
+    formats = options.pop("formats", None)  # a format the converted policy cannot have is refused by name
     policy, mapping = load_keras_policy(path, action_space, observation_space=observation_space,
                                         dist_inputs=dist_inputs, signature_key=signature_key, tag=tag, device=device)
     source = {"converted_from": str(Path(path).absolute()), "kind": "keras_base_model", "signature": signature_key,

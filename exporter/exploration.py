@@ -37,6 +37,7 @@ from policy_export.policy.spaces import leaves
 from policy_export.exporter.defaults import (  # noqa: E402,F401 (re-exported)
     DEFAULT_ALPHA, DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS,
 )
+from policy_export.signatures.keys import ACTION_LOGP, EXPLORE, action_key
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def repeated_observations(feeds: Mapping[str, np.ndarray], observations: int, sa
 
 def sample_actions(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
     """Run ``runner`` with ``explore`` on."""
-    return run_batched(runner, feeds, batch_size, scalars={"explore": np.array(True)})
+    return run_batched(runner, feeds, batch_size, scalars={EXPLORE: np.array(True)})
 
 
 def compare_samples(format_name: str, action_space: gym.Space, observations: int,
@@ -79,7 +80,7 @@ def compare_samples(format_name: str, action_space: gym.Space, observations: int
     """Two-sample tests per observation and action component (see the module docstring)."""
     pending = []
     for i, leaf in enumerate(leaves(action_space)):
-        key = f"actions_{i}"
+        key = action_key(i)
         ref = np.asarray(reference[key]).reshape(observations, -1, *np.shape(reference[key])[1:])
         got = np.asarray(actual[key]).reshape(observations, -1, *np.shape(actual[key])[1:])
         discrete = not isinstance(leaf.space, gym.spaces.Box)
@@ -146,7 +147,7 @@ def given_action_feeds(policy, actions: Mapping[str, np.ndarray]) -> tuple[dict,
     feeds = {}
     keep = None
     for i, (tensor, leaf) in enumerate(zip(policy.raw_actions, leaves(policy.action_space))):
-        value = np.asarray(actions[f"actions_{i}"])
+        value = np.asarray(actions[action_key(i)])
         rows = np.ones(len(value), bool)
         if isinstance(leaf.space, gym.spaces.Box):
             flat = value.reshape(len(value), -1)
@@ -169,9 +170,9 @@ def logp_of_given_actions(policy, obs_feeds: Mapping[str, np.ndarray], actions: 
         sl = slice(start, start + batch_size)
         feed_dict = {policy.inputs[k]: v[sl] for k, v in obs_feeds.items()}
         feed_dict.update({t: v[sl] for t, v in feeds_all.items()})
-        if "explore" in policy.inputs:  # score them as samples (some policies report 0 when not exploring)
-            feed_dict[policy.inputs["explore"]] = True
-        out.append(policy.session.run(policy.outputs["action_logp"], feed_dict))
+        if EXPLORE in policy.inputs:  # score them as samples (some policies report 0 when not exploring)
+            feed_dict[policy.inputs[EXPLORE]] = True
+        out.append(policy.session.run(policy.outputs[ACTION_LOGP], feed_dict))
     return np.concatenate(out), keep
 
 
@@ -193,7 +194,7 @@ def rounding_allowance(action_space: gym.Space, dist_inputs: np.ndarray, actions
     for i, leaf in enumerate(leaves(action_space)):
         width = distribution_class(leaf.space).required_inputs(leaf.space)
         if isinstance(leaf.space, gym.spaces.Box) and np.dtype(leaf.space.dtype).itemsize < 4:
-            returned = np.asarray(actions[f"actions_{i}"]).reshape(rows, -1)
+            returned = np.asarray(actions[action_key(i)]).reshape(rows, -1)
             a = returned.astype(np.float64)
             mean, log_std = np.split(np.asarray(dist_inputs[:, offset:offset + width], np.float64), 2, axis=-1)
             half_ulp = np.spacing(np.abs(returned)).astype(np.float64) / 2

@@ -104,9 +104,9 @@ def saved_model_contract(path: Path, signature_key: str = "serving_default", tag
 
     check_saved_model(path)
     meta = saved_model_meta_graph(path, tag)
-    if signature_key not in meta.signature_def:
-        raise ExportError(f"{path} has no signature {signature_key!r}; it has {sorted(meta.signature_def)}")
-    sig = meta.signature_def[signature_key]
+    from policy_export.signatures.builder import find_signature
+
+    sig = find_signature(meta, signature_key, str(path))
     nodes = {n.name: n for n in meta.graph_def.node}
 
     def spec(key: str, info, is_input: bool) -> TensorSpec:

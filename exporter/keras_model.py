@@ -20,6 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.runner import Runner, TensorMeta
+from policy_export.exporter.tf_runner import glob_free_path
 from policy_export.exporter.trust import check_saved_model
 from policy_export.policy.errors import ExportError
 
@@ -112,7 +114,7 @@ def _read_config(path: Path) -> Any:
         raise ExportError(f"{path} is not a readable Keras model file: {e}") from e
 
 
-class KerasRunner:
+class KerasRunner(Runner):
     """Runs one Keras file on base-model inputs keyed by input name; outputs keyed by :func:`output_keys`.
 
     ``output_names`` (the model's, recorded at export) orders a SavedModel signature's outputs.
@@ -122,27 +124,31 @@ class KerasRunner:
         import tf_keras as keras
 
         self.path = path
+        self.label = f"Keras model {path}"
         self.output_names = output_names
+        self._model = self._fn = self._keep = None
         try:
             if path.is_dir():
-                from policy_export.exporter.saved_model import glob_free_path
-
                 check_saved_model(path)
                 with glob_free_path(path) as alias:
                     loaded = tf.saved_model.load(str(alias))
                 self._fn = loaded.signatures["serving_default"]
-                self._model = None
                 self._keep = loaded
+                specs = self._fn.structured_input_signature[1]
+                self.inputs = {k: TensorMeta(k, spec.dtype.name, tuple(spec.shape.as_list())) for k, spec in specs.items()}
             else:
                 check_config_safe(_read_config(path), str(path))
                 kwargs = {"safe_mode": True} if path.suffix == ".keras" else {}
                 self._model = keras.models.load_model(str(path), compile=False, **kwargs)
+                self.inputs = {t.name.split(":")[0]: TensorMeta(t.name.split(":")[0], t.dtype.name,
+                                                                tuple(t.shape.as_list())) for t in self._model.inputs}
         except ExportError:
             raise
         except Exception as e:  # loaders raise many kinds
             raise ExportError(f"cannot load Keras model {path}: {type(e).__name__}: {e}") from e
+        self.outputs = {}
 
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._model is not None:
             args = [feeds[t.name.split(":")[0]] for t in self._model.inputs]
             out = self._model(args[0] if len(args) == 1 else args, training=False)
@@ -153,7 +159,11 @@ class KerasRunner:
             outs = [result[n] for n in names]
         return {k: np.asarray(v) for k, v in zip(output_keys(len(outs)), outs)}
 
+    def _close(self) -> None:
+        self._model = self._fn = self._keep = None
 
-def load(export_dir: Path, output_names: list[str] | None = None) -> dict[str, KerasRunner]:
-    """One runner per Keras file of an export, keyed ``keras_saved_model``, ``keras_v3``, ``keras_h5``."""
-    return {fmt: KerasRunner(export_dir / DIRNAME / name, output_names) for fmt, name in FORMATS.items()}
+
+def open_all(directory: Path, output_names: list[str] | None = None) -> dict[str, KerasRunner]:
+    """One runner per Keras file under ``directory`` (an export's ``keras/``), keyed
+    ``keras_saved_model``, ``keras_v3``, ``keras_h5``."""
+    return {fmt: KerasRunner(directory / name, output_names) for fmt, name in FORMATS.items()}

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from policy_export.policy.errors import ExportError
 from policy_export.policy.recurrent import SequenceGraph
+from policy_export.signatures.keys import EXPLORE, SEQ_LENS, is_state_in, state_in_key, state_out_for, state_out_key
 
 if TYPE_CHECKING:
     from policy_export.exporter.convert import RecurrentServing
@@ -96,7 +97,7 @@ def one_step_outputs(session: tf1.Session, inputs: Mapping[str, tf.Tensor], outp
         return dict(outputs), None
     graph = session.graph
     lstm = find_loop_lstm(graph, finals)
-    seq_lens = inputs.get("seq_lens")
+    seq_lens = inputs.get(SEQ_LENS)
     explore = explore if explore is not None else find_explore(graph, list(outputs.values()), inputs)
     with graph.as_default():
         new_seq, h, c = _step(lstm, seq_lens)
@@ -498,13 +499,13 @@ def _sequence_graph(graph: tf.Graph, inputs: Mapping[str, tf.Tensor], outputs: M
                     state_in: Sequence[str], state_out: Sequence[str], explore: tf.Tensor | None,
                     max_seq_len: int) -> SequenceGraph:
     """The original looped graph keyed like the serving signature (``state_in_i``/``state_out_i``)."""
-    renamed_in = {k: f"state_in_{i}" for i, k in enumerate(state_in)}
-    renamed_out = {k: f"state_out_{i}" for i, k in enumerate(state_out)}
+    renamed_in = {k: state_in_key(i) for i, k in enumerate(state_in)}
+    renamed_out = {k: state_out_key(i) for i, k in enumerate(state_out)}
     seq_in = {renamed_in.get(k, k): t for k, t in inputs.items()}
     if explore is None:
         with graph.as_default():
             explore = tf1.placeholder_with_default(False, (), name="sequence_explore_unused")
-    seq_in["explore"] = explore
+    seq_in[EXPLORE] = explore
     seq_out = {renamed_out.get(k, k): t for k, t in outputs.items()}
     return SequenceGraph(seq_in, seq_out, max_seq_len)
 
@@ -519,7 +520,7 @@ def _self_check(session: tf1.Session, inputs: Mapping[str, tf.Tensor], outputs: 
             continue
         shape = [rows if d is None else d for d in t.shape.as_list()] if t.shape.rank is not None else [rows]
         dtype = t.dtype.as_numpy_dtype
-        if key == "seq_lens":
+        if key == SEQ_LENS:
             feeds[t] = np.ones(shape, dtype)
         elif np.issubdtype(dtype, np.floating):
             feeds[t] = rng.standard_normal(shape).astype(dtype)
@@ -554,10 +555,10 @@ def rewrite_serving(serving: RecurrentServing) -> RecurrentServing:
     Raises:
         ExportError: see :func:`one_step_outputs`.
     """
-    state_in = sorted((k for k in serving.inputs if k.startswith("state_in_")), key=lambda k: int(k.rsplit("_", 1)[1]))
-    state_out = [f"state_out_{k.rsplit('_', 1)[1]}" for k in state_in]
+    state_in = sorted((k for k in serving.inputs if is_state_in(k)), key=lambda k: int(k.rsplit("_", 1)[1]))
+    state_out = [state_out_for(k) for k in state_in]
     outputs, sequence = one_step_outputs(serving.session, serving.inputs, serving.outputs, state_in, state_out,
-                                         explore=serving.inputs.get("explore"))
+                                         explore=serving.inputs.get(EXPLORE))
     if sequence is None:
         return serving
     return replace(serving, outputs=outputs, sequence_graph=sequence)

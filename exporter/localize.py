@@ -125,9 +125,6 @@ def localize(frozen_graph: Path, onnx_path: Path, input_names: Mapping[str, str]
     return Localization(format_name, len(shared), None)
 
 
-ONNX_FORMATS = {"onnx": "model.onnx", "onnx_deterministic": "model_deterministic.onnx"}
-
-
 def localize_formats(frozen_graph: Path, models: Mapping[str, Path], input_names: Mapping[str, str],
                      feeds: Mapping[str, np.ndarray], tolerances) -> list[dict[str, Any]]:
     """:func:`localize` for each ONNX model in ``models`` (format -> path), as report entries

@@ -20,8 +20,6 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 PARITY_PREFIX = "parity/"
 # where each format lives in an export (the writers' FILENAME/DIRNAME; tests check they agree)
-FORMAT_PATHS = {"saved_model": "saved_model", "frozen_graph": "frozen_graph.pb", "onnx": "model.onnx",
-                "onnx_deterministic": "model_deterministic.onnx", "keras": "keras"}
 STAGING_MARKER = ".policy-export-staging"  # written by staging.py while an export is built
 _PACKAGES = ("policy-export", "tensorflow", "tf-keras", "tf2onnx", "onnx", "onnxruntime", "numpy", "gymnasium", "h5py")
 
@@ -160,7 +158,11 @@ def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, st
         if not same:
             problems.append(f"changed file {path} (sha256 differs from the manifest)")
             untrusted.add(path)
-    problems += _unaccounted(manifest, FORMAT_PATHS if format_paths is None else format_paths)
+    if format_paths is None:
+        from policy_export.exporter import formats
+
+        format_paths = formats.paths()
+    problems += _unaccounted(manifest, format_paths)
     return FileCheck(problems, untrusted)
 
 

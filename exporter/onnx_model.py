@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,8 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.exporter.devices import DevicePlan
-from policy_export.policy.errors import ExportError, InputError
+from policy_export.exporter.runner import Runner, TensorMeta
+from policy_export.policy.errors import ExportError
 from policy_export.signatures.contract import Contract
 
 log = logging.getLogger(__name__)
@@ -262,38 +264,50 @@ def inference_session(path: str | Path, providers: list[str] | None = None, thre
         raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
 
 
-class OnnxRunner:
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint8)": "uint8", "tensor(uint16)": "uint16", "tensor(bool)": "bool"}
+
+
+def _ort_meta(arg, nchw: bool = False) -> TensorMeta:
+    shape = tuple(d if isinstance(d, int) else None for d in arg.shape) if arg.shape is not None else None
+    if nchw and shape is not None and len(shape) == 4:  # the runner takes the signature's NHWC layout
+        shape = (shape[0], shape[2], shape[3], shape[1])
+    return TensorMeta(arg.name, _ORT_TYPES.get(arg.type), shape)
+
+
+class OnnxRunner(Runner):
     """ONNX Runtime session over a model file; runs by key, feeding only what is given.
 
-    Feeds are taken in the signature's layout (NHWC); inputs the model takes as NCHW are
-    transposed on the way in.
+    ``inputs`` lists the graph inputs and the optional inputs ONNX Runtime holds as overridable
+    initializers. Feeds are taken in the signature's layout (NHWC); inputs the model takes as NCHW
+    are transposed on the way in.
     """
 
-    def __init__(self, path: Path, device: DevicePlan, threads: int | None = None):
+    def __init__(self, path: Path, device: DevicePlan, threads: int | None = None, contract: Contract | None = None):
         check_file(path)
+        self.label = f"ONNX model {path}"
+        self.contract = contract
         self.session = inference_session(path, list(device.ort_providers), threads,
                                          provider_options=device.ort_provider_options())
         self.provider_options = self.session.get_provider_options()
         self.providers = self.session.get_providers()
-        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
-        self.input_types.update({i.name: i.type for i in self.session.get_overridable_initializers()})
-        self.output_names = [o.name for o in self.session.get_outputs()]
         meta = self.session.get_modelmeta().custom_metadata_map
         self.nchw = set(json.loads(meta.get(LAYOUT_METADATA, "[]")))
+        declared = [*self.session.get_inputs(), *self.session.get_overridable_initializers()]
+        self.inputs = {a.name: _ort_meta(a, a.name in self.nchw) for a in declared}
+        self.outputs = {a.name: _ort_meta(a) for a in self.session.get_outputs()}
+        self.output_names = list(self.outputs)
 
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        unknown = sorted(set(feeds) - set(self.input_types))
-        if unknown:
-            raise InputError(f"ONNX model has no input(s) {unknown}")
-        arrays = {k: np.asarray(v) for k, v in feeds.items()}
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = dict(feeds)
         for key in self.nchw & arrays.keys():
             arrays[key] = np.ascontiguousarray(arrays[key].transpose(0, 3, 1, 2))
         values = self.session.run(self.output_names, arrays)
         return dict(zip(self.output_names, values))
 
+    def device_info(self) -> dict[str, Any]:
+        return {"onnxruntime_providers_used": list(self.providers)}
 
-def load(export_dir: Path, device: DevicePlan, filename: str = FILENAME) -> OnnxRunner:
-    """A runner over ``export_dir/model.onnx`` (or another model file of the export)."""
-    return OnnxRunner(export_dir / filename, device)
-
-
+    def _close(self) -> None:
+        del self.session

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 from policy_export.exporter.defaults import (  # noqa: E402,F401 (re-exported)
     DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, DEFAULT_SAMPLES,
 )
+from policy_export.signatures.keys import OBSERVATIONS, PREV_ACTION, SEQ_LENS
 LARGE_BOUND = 1e6  # float Box bounds beyond this are sampled as unbounded (see sampling_space)
 
 Runner = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
@@ -180,7 +181,7 @@ def sampling_space(space: gym.Space) -> gym.Space:
     return gym.spaces.Box(low, high, space.shape, space.dtype)
 
 
-def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = "observations") -> dict[str, np.ndarray]:
+def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = OBSERVATIONS) -> dict[str, np.ndarray]:
     """``n`` observations drawn with gymnasium's sampler (seeded) from each leaf's
     :func:`sampling_space`, split into leaf arrays by key."""
     out: dict[str, np.ndarray] = {}
@@ -201,10 +202,10 @@ def sample_inputs(observation_space, action_space, contract: "Contract", n: int,
     feeds = sample_observations(observation_space, n, seed)
     feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
     rng = np.random.default_rng(seed)
-    if "prev_action" in contract.input_keys:
-        feeds["prev_action"] = next(iter(sample_observations(action_space, n, seed + 1).values()))
-    if "seq_lens" in contract.input_keys:
-        feeds["seq_lens"] = np.ones(n, np.dtype(contract.input("seq_lens").dtype))
+    if PREV_ACTION in contract.input_keys:
+        feeds[PREV_ACTION] = next(iter(sample_observations(action_space, n, seed + 1).values()))
+    if SEQ_LENS in contract.input_keys:
+        feeds[SEQ_LENS] = np.ones(n, np.dtype(contract.input(SEQ_LENS).dtype))
     for spec in contract.required_inputs:
         if spec.key in feeds:
             continue

@@ -37,12 +37,13 @@ from policy_export.exporter.stepped import compare_stepped, run_stepped
 from policy_export.policy.errors import ExportError
 from policy_export.policy.spaces import leaves
 from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import action_key, is_action, state_in_key
 
 GOLDEN_INPUTS = "parity/inputs.npz"
 GOLDEN_OUTPUTS = "parity/outputs.npz"
 EXPLORATION = "parity/exploration.npz"
 STEPPED = "parity/stepped.npz"
-ACTION_DIST_INPUTS = "action_dist_inputs"
+from policy_export.signatures.keys import ACTION_DIST_INPUTS  # noqa: E402
 
 
 @dataclass
@@ -77,14 +78,14 @@ class ExplorationPlan:
 
     def compared_keys(self, outputs: Mapping[str, Any]) -> list[str]:
         n = len(list(leaves(self.action_space)))
-        return [k for k in [*(f"actions_{i}" for i in range(n)), ACTION_DIST_INPUTS] if k in outputs]
+        return [k for k in [*(action_key(i) for i in range(n)), ACTION_DIST_INPUTS] if k in outputs]
 
     def check(self, fmt: str, runner: Runner, tolerances: Tolerances, report: ParityReport) -> dict[str, np.ndarray]:
         """Sample with ``runner`` and add the two-sample tests (and the numeric comparison of
         ``action_dist_inputs``) to ``report``; returns the runner's draws."""
         got = sample_actions(runner, self.feeds(), self.batch_size)
         label = f"{fmt} (explore)"
-        actions = [k for k in self.reference if k.startswith("actions_")]
+        actions = [k for k in self.reference if is_action(k)]
         bad = [r for r in (layout_record(label, k, self.reference[k], got.get(k), tolerances, self.contract)
                            for k in actions) if r is not None]
         if bad:  # a missing output or another dtype or shape: no distribution test can be made
@@ -111,7 +112,7 @@ class ExplorationPlan:
             raise ExportError(f"{where}: expected probe/<input> arrays and a positive draws_per_observation")
         plan = cls(probe, int(per), reference, action_space, batch_size, contract)
         _check_rows(where, "probe", probe, plan.observations)
-        wanted = [f"actions_{i}" for i in range(len(list(leaves(action_space))))]
+        wanted = [action_key(i) for i in range(len(list(leaves(action_space))))]
         missing = [k for k in wanted if k not in reference]
         if missing:
             raise ExportError(f"{where}: the session's draws {missing} are missing")
@@ -172,7 +173,7 @@ class SteppedPlan:
             if bad:
                 raise ExportError(f"{where}: {name} {bad} are not [{first.shape[0]}, {first.shape[1]}, ...]")
         unknown = sorted(set(inputs) - set(contract.input_keys))
-        if unknown or any(f"state_in_{i}" not in contract.input_keys for i in range(len(initial))):
+        if unknown or any(state_in_key(i) not in contract.input_keys for i in range(len(initial))):
             raise ExportError(f"{where}: inputs {unknown or 'state'} do not fit the contract's inputs")
         return plan
 

@@ -24,9 +24,12 @@ from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.parity import Tolerances
 from policy_export.policy.errors import CheckFailedError, ExportError, InputError
 from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
+from policy_export.exporter.replay import runnable_names
 from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import (
+    OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, action_key, is_state_in, state_in_key, state_out_key,
+)
 
-PLAYABLE = ("saved_model", "frozen_graph", "onnx", "onnx_deterministic")
 DEFAULT_FORMATS = ("saved_model", "onnx")
 
 
@@ -80,25 +83,25 @@ class _Agent:
         self.runner, self.contract = runner, contract
         self.obs_space, self.act_space = obs_space, act_space
         self.keys = set(contract.input_keys)
-        self.state = [np.zeros((1, *s.shape[1:]), np.dtype(s.dtype)) for s in contract.inputs if s.key.startswith("state_in_")]
+        self.state = [np.zeros((1, *s.shape[1:]), np.dtype(s.dtype)) for s in contract.inputs if is_state_in(s.key)]
         self.prev_action = None
         self.prev_reward = 0.0
 
     def act(self, obs: Any):
-        feeds = {k: np.asarray(v)[None] for k, v in leaf_values(self.obs_space, obs, "observations").items()}
+        feeds = {k: np.asarray(v)[None] for k, v in leaf_values(self.obs_space, obs, OBSERVATIONS).items()}
         feeds = {k: v.astype(np.dtype(self.contract.input(k).dtype)) for k, v in feeds.items()}
-        feeds.update({f"state_in_{i}": s for i, s in enumerate(self.state)})
-        if "seq_lens" in self.keys:
-            feeds["seq_lens"] = np.ones(1, np.dtype(self.contract.input("seq_lens").dtype))
-        if "prev_action" in self.keys:
-            spec = self.contract.input("prev_action")
+        feeds.update({state_in_key(i): s for i, s in enumerate(self.state)})
+        if SEQ_LENS in self.keys:
+            feeds[SEQ_LENS] = np.ones(1, np.dtype(self.contract.input(SEQ_LENS).dtype))
+        if PREV_ACTION in self.keys:
+            spec = self.contract.input(PREV_ACTION)
             prev = np.zeros(spec.shape[1:], np.dtype(spec.dtype)) if self.prev_action is None else self.prev_action
-            feeds["prev_action"] = np.asarray(prev, np.dtype(spec.dtype))[None]
-        if "prev_reward" in self.keys:
-            feeds["prev_reward"] = np.array([self.prev_reward], np.dtype(self.contract.input("prev_reward").dtype))
+            feeds[PREV_ACTION] = np.asarray(prev, np.dtype(spec.dtype))[None]
+        if PREV_REWARD in self.keys:
+            feeds[PREV_REWARD] = np.array([self.prev_reward], np.dtype(self.contract.input(PREV_REWARD).dtype))
         out = self.runner(feeds)
-        self.state = [out[f"state_out_{i}"] for i in range(len(self.state))]
-        actions = [out[f"actions_{i}"][0] for i in range(len(list(leaves(self.act_space))))]
+        self.state = [out[state_out_key(i)] for i in range(len(self.state))]
+        actions = [out[action_key(i)][0] for i in range(len(list(leaves(self.act_space))))]
         self.prev_action = actions[0] if len(actions) == 1 else None
         return nest_from_leaves(self.act_space, actions), actions
 
@@ -107,8 +110,8 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
             max_steps: int | None = None, formats: list[str] | None = None) -> RolloutReport:
     """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
 
-    ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats among
-    ``saved_model``, ``frozen_graph``, ``onnx`` and ``onnx_deterministic``; the first is the reference.
+    ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats that run
+    the policy's signature (every format but ``keras``); the first is the reference.
 
     Raises:
         CheckFailedError: a file of the export is changed, missing, extra or not a regular file
@@ -141,21 +144,22 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
         _check_spaces(envs[formats[0]], obs_space, act_space, env_id)
         plan = plan_devices(device)
         for fmt in formats:
-            runners[fmt] = load_runner(fmt, out, doc["tensor_names"], plan)
+            runners[fmt] = load_runner(fmt, out, doc, plan)
         results = [_episode(envs, runners, contract, tolerances, obs_space, act_space, seed + i, max_steps)
                    for i in range(episodes)]
     finally:
         for env in envs.values():
             env.close()
         for runner in runners.values():
-            getattr(runner, "close", lambda: None)()
+            runner.close()
     return RolloutReport(env_id, formats, results)
 
 
 def _check_formats(formats: list[str], doc: dict) -> None:
-    unknown = [f for f in formats if f not in PLAYABLE]
+    playable = runnable_names()
+    unknown = [f for f in formats if f not in playable]
     if unknown:
-        raise InputError(f"formats {unknown} cannot play a rollout; choose from {list(PLAYABLE)}")
+        raise InputError(f"formats {unknown} cannot play a rollout; choose from {playable}")
     if len(formats) < 2 or len(set(formats)) != len(formats):
         raise InputError(f"a rollout needs two or more different formats, got {formats}")
     missing = [f for f in formats if f not in doc["formats"]]
@@ -206,7 +210,7 @@ def _episode(envs, runners, contract, tolerances, obs_space, act_space, seed: in
             else:
                 agree = True
                 for i, (a, b) in enumerate(zip(chosen[f], chosen[reference])):
-                    ok, dev = _deviation(a, b, f"actions_{i}", tolerances)
+                    ok, dev = _deviation(a, b, action_key(i), tolerances)
                     deviation[f] = max(deviation[f], dev)
                     agree = agree and ok
             if not agree and divergence[f] is None:

@@ -17,6 +17,9 @@ from dataclasses import replace
 import numpy as np
 
 from policy_export.exporter.parity import OutputParity, Runner, Tolerances, compare, compare_arrays, sample_inputs
+from policy_export.signatures.keys import (
+    OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, is_observation, is_per_step, is_state_out, state_in_key, state_out_key,
+)
 
 DEFAULT_STEPS = 200
 DEFAULT_SEQUENCES = 4
@@ -28,7 +31,7 @@ def stepped_inputs(policy, contract, steps: int, sequences: int, seed: int) -> d
     the state is the stepping's own."""
     feeds = sample_inputs(policy.observation_space, policy.action_space, contract, steps * sequences, seed)
     return {k: v.reshape(steps, sequences, *v.shape[1:]) for k, v in feeds.items()
-            if k.startswith(("observations", "prev_")) or k == "seq_lens"}
+            if is_per_step(k) or k == SEQ_LENS}
 
 
 def run_stepped(runner: Runner, inputs: Mapping[str, np.ndarray], initial_state: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -42,10 +45,10 @@ def run_stepped(runner: Runner, inputs: Mapping[str, np.ndarray], initial_state:
     collected: dict[str, list[np.ndarray]] = {}
     for t in range(steps):
         feeds = {k: v[t] for k, v in inputs.items()}
-        feeds.setdefault("seq_lens", seq_lens)
-        feeds.update({f"state_in_{i}": s for i, s in enumerate(state)})
+        feeds.setdefault(SEQ_LENS, seq_lens)
+        feeds.update({state_in_key(i): s for i, s in enumerate(state)})
         out = runner(feeds)
-        state = [out[f"state_out_{i}"] for i in range(len(state))]
+        state = [out[state_out_key(i)] for i in range(len(state))]
         for key, value in out.items():
             collected.setdefault(key, []).append(np.asarray(value))
     return {k: np.stack(v) for k, v in collected.items()}
@@ -66,19 +69,19 @@ def run_training_graph(policy, inputs: Mapping[str, np.ndarray], chunk: int) -> 
         t = min(chunk, steps - start)
         # [t, seq, ...] -> [seq, t, ...] -> [seq * t, ...] (each sequence's steps contiguous)
         rows = {k: np.swapaxes(v[start:start + t], 0, 1).reshape(sequences * t, *v.shape[2:]) for k, v in inputs.items()
-                if k != "seq_lens"}
-        obs = {k: v for k, v in rows.items() if k.startswith("observations")}
-        result = policy.compute_actions(_nest(policy, obs), state=state, prev_action=rows.get("prev_action"),
-                                        prev_reward=rows.get("prev_reward"), seq_lens=np.full(sequences, t, np.int32))
+                if k != SEQ_LENS}
+        obs = {k: v for k, v in rows.items() if is_observation(k)}
+        result = policy.compute_actions(_nest(policy, obs), state=state, prev_action=rows.get(PREV_ACTION),
+                                        prev_reward=rows.get(PREV_REWARD), seq_lens=np.full(sequences, t, np.int32))
         state = result.state_out
         states.append(state)
         ends.append(start + t - 1)
         for key, value in result.fetches.items():
-            if not key.startswith("state_out_"):
+            if not is_state_out(key):
                 per_step.setdefault(key, []).append(np.swapaxes(value.reshape(sequences, t, *value.shape[1:]), 0, 1))
     out = {k: np.concatenate(v) for k, v in per_step.items()}
     for i in range(len(state)):
-        out[f"state_out_{i}"] = np.stack([s[i] for s in states])
+        out[state_out_key(i)] = np.stack([s[i] for s in states])
     out["chunk_ends"] = np.array(ends)
     return out
 
@@ -86,7 +89,7 @@ def run_training_graph(policy, inputs: Mapping[str, np.ndarray], chunk: int) -> 
 def _nest(policy, leaf_feeds: Mapping[str, np.ndarray]):
     from policy_export.policy.spaces import nest_from_leaves
 
-    return nest_from_leaves(policy.observation_space, leaf_feeds, "observations")
+    return nest_from_leaves(policy.observation_space, leaf_feeds, OBSERVATIONS)
 
 
 def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
@@ -100,14 +103,14 @@ def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Map
             records.append(compare(label, reference, actual, tolerances, [key])[0])
             continue
         ref, got = np.asarray(reference[key]), np.asarray(actual[key])
-        if key.startswith("state_out_") and "chunk_ends" in reference:
+        if is_state_out(key) and "chunk_ends" in reference:
             got = got[reference["chunk_ends"]]
         record = compare_arrays(label, key, ref, got, tolerances.for_output(key),
                                 allow_non_finite=tolerances.allows_non_finite(key))
         if got.shape == ref.shape and ref.size:
             per_step = np.abs(got.astype(np.float64) - ref.astype(np.float64)).reshape(len(ref), -1).max(axis=1)
             worst = int(np.argmax(per_step))
-            if key.startswith("state_out_") and "chunk_ends" in reference:
+            if is_state_out(key) and "chunk_ends" in reference:
                 worst = int(reference["chunk_ends"][worst])
             record = replace(record, worst_step=worst)
         records.append(record)

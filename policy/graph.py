@@ -15,10 +15,11 @@ import gymnasium as gym
 import numpy as np
 import tensorflow as tf
 from policy_export.policy.spaces import nest_from_leaves
+from policy_export.signatures.keys import action_key
 
 tf1 = tf.compat.v1
 
-ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB = "action_dist_inputs", "action_logp", "action_prob"
+from policy_export.signatures.keys import ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def deterministic_path(dist, dist_inputs: tf.Tensor, extra: Mapping[str, tf.Tens
     with tf1.name_scope("deterministic"):
         det = dist.deterministic_sample()
         logp = dist.logp(det)
-        out = {f"actions_{i}": tf.identity(a) for i, a in enumerate(dist.postprocess(det))}
+        out = {action_key(i): tf.identity(a) for i, a in enumerate(dist.postprocess(det))}
         out.update(extra or {})
         out.update({ACTION_DIST_INPUTS: tf.identity(dist_inputs), ACTION_LOGP: tf.identity(logp),
                     ACTION_PROB: tf.exp(logp)})

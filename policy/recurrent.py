@@ -24,6 +24,9 @@ from policy_export.policy.graph import ActionResult, deterministic_path, session
 from policy_export.policy.models import ModelInput, build_recurrent_model, model_inputs, preprocess
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.spec import ModelConfig, PolicySpec
+from policy_export.signatures.keys import (
+    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, action_key, is_action, is_per_step, is_state_in, state_in_key, state_out_key,
+)
 
 tf1 = tf.compat.v1
 
@@ -52,17 +55,17 @@ def _placeholders(spec: PolicySpec, prefix: str, cell: int, act_leaf) -> _Placeh
 
     obs = {}
     for leaf in leaves(spec.observation_space):
-        key = leaf.key("observations")
+        key = leaf.key(OBSERVATIONS)
         obs[key] = tf1.placeholder(tf.as_dtype(leaf_dtype(leaf.space)), (None, *leaf_shape(leaf.space)), name=name(key))
-    state = [tf1.placeholder(tf.float32, (None, cell), name=name(f"state_in_{i}")) for i in range(2)]
-    seq_lens = tf1.placeholder(tf.int32, (None,), name=name("seq_lens"))
+    state = [tf1.placeholder(tf.float32, (None, cell), name=name(state_in_key(i))) for i in range(2)]
+    seq_lens = tf1.placeholder(tf.int32, (None,), name=name(SEQ_LENS))
     lstm = spec.model.lstm
     prev_action = prev_reward = None
     if lstm.use_prev_action:
         prev_action = tf1.placeholder(tf.as_dtype(leaf_dtype(act_leaf.space)), (None, *leaf_shape(act_leaf.space)),
-                                      name=name("prev_action"))
+                                      name=name(PREV_ACTION))
     if lstm.use_prev_reward:
-        prev_reward = tf1.placeholder(tf.float32, (None,), name=name("prev_reward"))
+        prev_reward = tf1.placeholder(tf.float32, (None,), name=name(PREV_REWARD))
     return _Placeholders(obs, state, seq_lens, prev_action, prev_reward)
 
 
@@ -101,9 +104,9 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     with graph.as_default(), tf.device(device):
         tf1.set_random_seed(spec.seed)
         rm = build_recurrent_model(specs, spec.model, num_outputs, prev_size, seed=spec.seed)
-        explore = tf1.placeholder_with_default(False, (), name="explore")
-        is_training = tf1.placeholder_with_default(False, (), name="is_training")
-        timestep = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
+        explore = tf1.placeholder_with_default(False, (), name=EXPLORE)
+        is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
+        timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
 
         # serving graph: one step, the cell called directly (no loop)
         ph = _placeholders(spec, "", lstm.cell_size, act_leaf)
@@ -114,13 +117,13 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
             active = tf.expand_dims(ph.seq_lens > 0, -1)
             h = tf.where(active, h, ph.state[0])
             c = tf.where(active, c, ph.state[1])
-        dist_inputs = tf.identity(dist_inputs, name="action_dist_inputs")
+        dist_inputs = tf.identity(dist_inputs, name=ACTION_DIST_INPUTS)
         dist = ActionDistribution(dist_inputs, spec.action_space)
         raw, logp, actions = _select_actions(dist, explore)
-        logp = tf.identity(logp, name="action_logp")
-        actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(actions)]
-        state_out = [tf.identity(h, name="state_out_0"), tf.identity(c, name="state_out_1")]
-        deterministic = deterministic_path(dist, dist_inputs, {"state_out_0": state_out[0], "state_out_1": state_out[1]})
+        logp = tf.identity(logp, name=ACTION_LOGP)
+        actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(actions)]
+        state_out = [tf.identity(h, name=state_out_key(0)), tf.identity(c, name=state_out_key(1))]
+        deterministic = deterministic_path(dist, dist_inputs, {state_out_key(0): state_out[0], state_out_key(1): state_out[1]})
 
         # the base model's sequence form on the serving inputs (T = 1): checks the Keras files
         seq_in = [tf.expand_dims(x, 1) for x in step_in]
@@ -168,15 +171,15 @@ def _training_graph(spec: PolicySpec, rm, specs: Sequence[ModelInput], act_leaf,
         dist_inputs = tf.reshape(dist_seq, (-1, int(dist_seq.shape[-1])))
         dist = ActionDistribution(dist_inputs, spec.action_space)
         _, logp, actions = _select_actions(dist, explore)
-    inputs = {**ph.obs, "state_in_0": ph.state[0], "state_in_1": ph.state[1], "seq_lens": ph.seq_lens,
-              "explore": explore, "timestep": timestep}
+    inputs = {**ph.obs, state_in_key(0): ph.state[0], state_in_key(1): ph.state[1], SEQ_LENS: ph.seq_lens,
+              EXPLORE: explore, TIMESTEP: timestep}
     if ph.prev_action is not None:
-        inputs["prev_action"] = ph.prev_action
+        inputs[PREV_ACTION] = ph.prev_action
     if ph.prev_reward is not None:
-        inputs["prev_reward"] = ph.prev_reward
-    outputs = {f"actions_{i}": a for i, a in enumerate(actions)}
-    outputs.update({"state_out_0": h, "state_out_1": c, "action_dist_inputs": dist_inputs,
-                    "action_logp": logp, "action_prob": tf.exp(logp)})
+        inputs[PREV_REWARD] = ph.prev_reward
+    outputs = {action_key(i): a for i, a in enumerate(actions)}
+    outputs.update({state_out_key(0): h, state_out_key(1): c, ACTION_DIST_INPUTS: dist_inputs,
+                    ACTION_LOGP: logp, ACTION_PROB: tf.exp(logp)})
     return SequenceGraph(inputs, outputs, spec.model.lstm.max_seq_len)
 
 
@@ -199,25 +202,25 @@ def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, 
     state = [np.stack([s] * batch) for s in initial] if state is None else list(state)
     if len(state) != len(initial):
         raise InputError(f"state has {len(state)} arrays, the policy has {len(initial)} (h and c)")
-    feeds.update({"state_in_0": state[0], "state_in_1": state[1], "seq_lens": seq_lens,
-                  "explore": np.bool_(explore)})
-    for key, value in (("prev_action", prev_action), ("prev_reward", prev_reward)):
+    feeds.update({state_in_key(0): state[0], state_in_key(1): state[1], SEQ_LENS: seq_lens,
+                  EXPLORE: np.bool_(explore)})
+    for key, value in ((PREV_ACTION, prev_action), (PREV_REWARD, prev_reward)):
         if key in graph.inputs:
             if value is None:
                 raise InputError(f"this policy uses {key}; pass it (one row per observation row)")
             feeds[key] = value
     if timestep is not None:
-        feeds["timestep"] = np.int64(timestep)
+        feeds[TIMESTEP] = np.int64(timestep)
     checked = policy.check_feeds(feeds, graph.inputs, same_batch=False)
     for key, arr in checked.items():
-        per_row = key.startswith("observations") or key.startswith("prev_")
-        want = rows if per_row else batch if key.startswith("state_in_") else None
+        per_row = is_per_step(key)
+        want = rows if per_row else batch if is_state_in(key) else None
         if want is not None and arr.shape[0] != want:
             raise InputError(f"{key} has {arr.shape[0]} rows, expected {want}")
     feed_dict = {graph.inputs[k]: v for k, v in checked.items()}
     fetches = dict(zip(graph.outputs, policy.session.run(list(graph.outputs.values()), feed_dict)))
-    actions = [fetches[k] for k in fetches if k.startswith("actions_")]
+    actions = [fetches[k] for k in fetches if is_action(k)]
     return ActionResult(actions=unflatten(policy.action_space, actions),
-                        state_out=[fetches["state_out_0"], fetches["state_out_1"]], fetches=fetches)
+                        state_out=[fetches[state_out_key(0)], fetches[state_out_key(1)]], fetches=fetches)
 
 

@@ -43,6 +43,7 @@ from policy_export.policy.tf_policy import (
     ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, TIMESTEP, TFPolicy,
     session_config,
 )
+from policy_export.signatures.keys import action_key, is_state_in, state_out_for
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
@@ -134,8 +135,8 @@ def _one_step(policy: TFPolicy, max_seq_len: int) -> TFPolicy:
     """
     from policy_export.exporter.legacy_recurrent import one_step_outputs
 
-    state_in = [k for k in policy.inputs if k.startswith("state_in_")]
-    state_out = [f"state_out_{k.rsplit('_', 1)[1]}" for k in state_in]
+    state_in = [k for k in policy.inputs if is_state_in(k)]
+    state_out = [state_out_for(k) for k in state_in]
     try:
         outputs, sequence = one_step_outputs(policy.session, policy.inputs, policy.outputs, state_in, state_out,
                                              explore=policy.inputs.get(EXPLORE), max_seq_len=max_seq_len)
@@ -321,7 +322,7 @@ def _deterministic_outputs(policy: Any, act_space: gym.Space, w: Mapping[str, An
                      det.dtype.name, det.shape, action.dtype.name, action.shape)
             return None
         zeros = tf.zeros(tf.shape(w["dist_inputs"])[:1], tf.float32)
-        out = {"actions_0": tf.identity(det), ACTION_DIST_INPUTS: tf.identity(w["dist_inputs"]),
+        out = {action_key(0): tf.identity(det), ACTION_DIST_INPUTS: tf.identity(w["dist_inputs"]),
                ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.exp(zeros)}
         out.update({k: tf.identity(v) for k, v in extra.items()})
     return out

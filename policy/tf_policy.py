@@ -4,7 +4,7 @@ Build one from a spec, or wrap a session and tensors you already have::
 
     policy = TFPolicy.from_spec(load_spec("fixtures/cartpole_mlp"))
     result = policy.compute_actions(obs_batch)           # deterministic unless explore=True
-    result.actions, result.fetches["action_logp"]
+    result.actions, result.fetches[ACTION_LOGP]
 
     policy = TFPolicy(obs_space, act_space, sess,
                       observations=obs_ph, sampled_action=action_t, action_logp=logp_t)
@@ -38,13 +38,14 @@ from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy
 from policy_export.policy.models import build_model, model_inputs, named_weights, preprocess
 from policy_export.policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves
 from policy_export.policy.spec import PolicySpec
+from policy_export.signatures.keys import action_key, is_action, is_state_in, state_in_key, state_out_key
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 
-OBSERVATIONS = "observations"
-EXPLORE, IS_TRAINING, TIMESTEP = "explore", "is_training", "timestep"
-SEQ_LENS, PREV_ACTION, PREV_REWARD = "seq_lens", "prev_action", "prev_reward"
+from policy_export.signatures.keys import (  # noqa: E402,F401 (re-exported)
+    EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP,
+)
 SUPPORTED_OBSERVATION_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
 
 
@@ -126,7 +127,7 @@ class TFPolicy:
         if state_inputs and seq_lens is None:
             raise PolicyExportError("a recurrent policy needs a seq_lens input")
         for i, tensor in enumerate(state_inputs):
-            self.inputs[f"state_in_{i}"] = tensor
+            self.inputs[state_in_key(i)] = tensor
         for key, tensor in ((SEQ_LENS, seq_lens), (PREV_ACTION, prev_action), (PREV_REWARD, prev_reward),
                             (EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
             if tensor is not None:
@@ -136,12 +137,12 @@ class TFPolicy:
         self.deterministic_outputs = dict(deterministic_outputs) if deterministic_outputs else None
 
         actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
-        self.outputs: dict[str, tf.Tensor] = {f"actions_{i}": a for i, a in enumerate(actions)}
+        self.outputs: dict[str, tf.Tensor] = {action_key(i): a for i, a in enumerate(actions)}
         if action_prob is None and action_logp is not None:
             with self.graph.as_default():
                 action_prob = tf.exp(action_logp, name=ACTION_PROB)
         for i, tensor in enumerate(state_outputs):
-            self.outputs[f"state_out_{i}"] = tensor
+            self.outputs[state_out_key(i)] = tensor
         for key, tensor in (
             (ACTION_DIST_INPUTS, action_dist_inputs), (ACTION_LOGP, action_logp), (ACTION_PROB, action_prob),
         ):
@@ -202,7 +203,7 @@ class TFPolicy:
             raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
             raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
             logp = tf.identity(dist.logp(raw), name=ACTION_LOGP)
-            actions = [tf.identity(a, name=f"actions_{i}") for i, a in enumerate(dist.postprocess(raw))]
+            actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(dist.postprocess(raw))]
             deterministic = deterministic_path(dist, dist_inputs)
             init = tf1.global_variables_initializer()
         session = tf1.Session(graph=graph, config=session_config(device))
@@ -283,12 +284,12 @@ class TFPolicy:
 
     @property
     def is_recurrent(self) -> bool:
-        return any(k.startswith("state_in_") for k in self.inputs)
+        return any(is_state_in(k) for k in self.inputs)
 
     def get_initial_state(self) -> list[np.ndarray]:
         """One zero array per state input, for a single sequence (shape ``[cell]``)."""
         return [np.zeros(t.shape.as_list()[1:], t.dtype.as_numpy_dtype)
-                for k, t in self.inputs.items() if k.startswith("state_in_")]
+                for k, t in self.inputs.items() if is_state_in(k)]
 
     def compute_actions(self, obs: Any, state: Sequence[np.ndarray] | None = None, prev_action: Any = None,
                         prev_reward: Any = None, seq_lens: Any = None, explore: bool = False,
@@ -312,7 +313,7 @@ class TFPolicy:
         if timestep is not None and TIMESTEP in self.inputs:
             feeds[TIMESTEP] = np.int64(timestep)
         fetches = self.run(feeds)
-        actions = [fetches[k] for k in self.outputs if k.startswith("actions_")]
+        actions = [fetches[k] for k in self.outputs if is_action(k)]
         return ActionResult(actions=unflatten(self.action_space, actions), fetches=fetches)
 
     def observation_feeds(self, obs: Any) -> dict[str, np.ndarray]:

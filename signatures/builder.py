@@ -9,10 +9,24 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.signatures.contract import Contract, TensorSpec, json_default
+from policy_export.signatures.keys import is_action, is_state_out
 
 tf1 = tf.compat.v1
 SERVING_KEY = tf1.saved_model.signature_constants.DEFAULT_SERVING_SIGNATURE_DEF_KEY
 PREDICT_METHOD = tf1.saved_model.signature_constants.PREDICT_METHOD_NAME
+
+
+def find_signature(meta_graph, key: str = SERVING_KEY, where: str = "the SavedModel"):
+    """The SignatureDef ``key`` of a MetaGraphDef.
+
+    Raises:
+        ExportError: it has no such signature (the message lists the ones it has).
+    """
+    from policy_export.policy.errors import ExportError
+
+    if key not in meta_graph.signature_def:
+        raise ExportError(f"{where} has no signature {key!r}; it has {sorted(meta_graph.signature_def)}")
+    return meta_graph.signature_def[key]
 
 
 @dataclass(frozen=True)
@@ -62,7 +76,7 @@ def build_deterministic_signature(policy) -> Signature | None:
     full = build_signature(policy)
     inputs = {k: t for k, t in policy.inputs.items() if k not in policy.defaults}
     outputs = {k: policy.deterministic_outputs[k] for k in full.outputs
-               if k in policy.deterministic_outputs and k.startswith(("actions_", "state_out_"))}
+               if k in policy.deterministic_outputs and (is_action(k) or is_state_out(k))}
     contract = Contract(inputs=tuple(s for s in full.contract.inputs if s.key in inputs),
                         outputs=tuple(s for s in full.contract.outputs if s.key in outputs))
     return Signature(inputs, outputs, contract)

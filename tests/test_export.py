@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from conftest import FIXTURES, FIXTURES_DIR, FORMATS, RECURRENT
 from policy_export.exporter.keras_model import output_keys
-from policy_export.exporter import api, export_policy, export_spec, verify_export
+from policy_export.exporter import api, export_policy, export_spec, formats, verify_export
 from policy_export.exporter.manifest import sha256
 from policy_export.exporter.parity import DEFAULT_BATCH, Tolerance, Tolerances
 from policy_export.policy import ExportBusyError, ExportError, ExportExistsError, InputError, TFPolicy
@@ -172,7 +172,7 @@ def test_failure_mid_export_leaves_nothing_and_keeps_the_previous(tmp_path, poli
         target.write_bytes(b"half")
         raise ExportError("disk full (simulated)")
 
-    monkeypatch.setitem(api._WRITERS, "frozen_graph", (broken_writer, "frozen_graph.pb"))
+    monkeypatch.setattr(formats.get("frozen_graph"), "write", broken_writer)
     with pytest.raises(ExportError, match="simulated"):
         export_policy(policy, out, formats=["onnx", "frozen_graph"], samples=32, device="cpu", overwrite=True)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES_DIR
-from policy_export.exporter import api, export_policy, export_spec
+from policy_export.exporter import export_policy, export_spec, formats
 from policy_export.exporter.staging import staged_directory
 from policy_export.policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
 from policy_export.policy.h5io import read_h5_weights, write_h5_weights
@@ -90,7 +90,7 @@ def test_full_disk_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
         target.write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setitem(api._WRITERS, "onnx", (full_disk, "model.onnx"))
+    monkeypatch.setattr(formats.get("onnx"), "write", full_disk)
     with pytest.raises(ExportError, match="No space left on device; nothing was left behind"):
         export_policy(policies("cartpole_mlp"), tmp_path / "out", samples=32, explore_samples=0, device="cpu")
     assert list(tmp_path.iterdir()) == []
@@ -120,7 +120,7 @@ def test_interrupt_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
     def interrupted(ctx, target):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(api._WRITERS, "frozen_graph", (interrupted, "frozen_graph.pb"))
+    monkeypatch.setattr(formats.get("frozen_graph"), "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         export_policy(policies("cartpole_mlp"), tmp_path / "out", samples=32, explore_samples=0, device="cpu")
     assert list(tmp_path.iterdir()) == []

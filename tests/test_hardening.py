@@ -23,7 +23,7 @@ import pytest
 from conftest import FIXTURES_DIR
 from policy_export.exporter import manifest
 from policy_export.exporter.staging import MARKER, staged_directory
-from policy_export.policy import ExportError, SpecError, WeightsError, spec_from_json
+from policy_export.policy import ExportError, InputError, SpecError, WeightsError, spec_from_json
 from policy_export.policy.h5io import read_h5_weights
 from test_cli import cli
 
@@ -686,10 +686,15 @@ def test_newlines_in_json_keys_do_not_add_lines_to_errors(tmp_path):
     one_line_error(cli("export", str(tmp_path / "spec"), "--out", str(tmp_path / "out")), 2, "unknown key")
 
 
-def test_the_manifest_knows_where_every_format_lives():
-    from policy_export.exporter import api
+def test_every_format_is_a_registered_plugin_with_its_own_path():
+    from policy_export.exporter import formats
 
-    assert manifest.FORMAT_PATHS == {fmt: path for fmt, (_, path) in api._WRITERS.items()}
+    paths = formats.paths()
+    assert list(paths) == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras"]
+    assert paths["onnx"] == "model.onnx" and paths["keras"] == "keras"
+    assert len(set(paths.values())) == len(paths)  # no two formats write the same path
+    with pytest.raises(InputError, match="unknown format 'tflite_nope'"):
+        formats.get("tflite_nope")
 
 
 def test_rollout_refuses_an_export_whose_files_failed_their_hash(tmp_path, exports):

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from policy_export.exporter import api, export_policy
+from policy_export.exporter import api, export_policy, formats
 from test_verify_plan import copy_of, resign, verify_cli
 
 FAULTY_WEIGHT = "base_model/fc_2/MatMul/ReadVariableOp:0"  # the second hidden layer's kernel
@@ -26,14 +26,14 @@ def inject_fault(path: Path, initializer: str = FAULTY_WEIGHT, delta: float = 0.
 
 
 def test_export_names_the_node_where_onnx_diverges(policies, tmp_path, monkeypatch):
-    real, name = api._WRITERS["onnx"]
+    real = formats.get("onnx").write
 
     def faulty(ctx, target):
         record = real(ctx, target)
         inject_fault(target)
         return record
 
-    monkeypatch.setitem(api._WRITERS, "onnx", (faulty, name))
+    monkeypatch.setattr(formats.get("onnx"), "write", faulty)
     with pytest.raises(api.ParityFailedError) as info:
         export_policy(policies("cartpole_mlp"), tmp_path / "x", formats=["frozen_graph", "onnx"], samples=64,
                       explore_samples=0, device="cpu")
@@ -46,8 +46,8 @@ def test_export_names_the_node_where_onnx_diverges(policies, tmp_path, monkeypat
 
 
 def test_export_localizes_even_without_a_frozen_graph_format(policies, tmp_path, monkeypatch):
-    real, name = api._WRITERS["onnx"]
-    monkeypatch.setitem(api._WRITERS, "onnx", (lambda ctx, target: (real(ctx, target), inject_fault(target))[0], name))
+    real = formats.get("onnx").write
+    monkeypatch.setattr(formats.get("onnx"), "write", lambda ctx, target: (real(ctx, target), inject_fault(target))[0])
     with pytest.raises(api.ParityFailedError) as info:
         export_policy(policies("cartpole_mlp"), tmp_path / "x", formats=["onnx"], samples=32, explore_samples=0,
                       device="cpu")

@@ -8,7 +8,7 @@ import pytest
 from conftest import RECURRENT
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.rollout import rollout
-from policy_export.exporter.saved_model import SavedModelRunner
+from policy_export.exporter.tf_runner import TFGraphRunner
 from policy_export.policy import InputError, TFPolicy, UnsupportedSpaceError, spec_from_json
 
 STATE_KEYS_IN = ["state_in_0", "state_in_1", "seq_lens", "prev_action", "prev_reward"]
@@ -26,7 +26,7 @@ def test_state_keys_are_stable_in_every_format(name, exports):
     assert set(STATE_KEYS_IN) <= set(inputs) and set(STATE_KEYS_OUT) <= set(outputs)
     assert inputs["state_in_0"]["shape"] == [None, 32] and inputs["seq_lens"]["dtype"] == "int32"
     assert all(inputs[k]["required"] for k in STATE_KEYS_IN)
-    runner = SavedModelRunner(out / "saved_model", plan_devices("cpu"))
+    runner = TFGraphRunner.from_saved_model(out / "saved_model", plan_devices("cpu"))
     assert set(STATE_KEYS_IN) <= set(runner.inputs) and set(STATE_KEYS_OUT) <= set(runner.outputs)
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == [k for k in inputs if inputs[k]["required"]]
@@ -142,20 +142,22 @@ def test_rollout_reports_a_float_action_beyond_tolerance(exports, monkeypatch):
     _, out = exports("pendulum_mlp")
     real = api.load_runner
 
-    def shifted(fmt, root, tensor_names, plan):
-        runner = real(fmt, root, tensor_names, plan)
+    def shifted(fmt, root, doc, plan):
+        runner = real(fmt, root, doc, plan)
         if fmt != "onnx":
             return runner
         calls = {"n": 0}
+        real_run = runner._run
 
         def run(feeds):
-            got = dict(runner(feeds))
+            got = dict(real_run(feeds))
             calls["n"] += 1
             if calls["n"] > 7:  # from the eighth call (step 7 of the first episode) on
                 got["actions_0"] = got["actions_0"] + np.float32(1e-3)
             return got
 
-        return run
+        runner._run = run
+        return runner
 
     monkeypatch.setattr(api, "load_runner", shifted)
     report = rollout(out, "Pendulum-v1", episodes=2, seed=0, device="cpu")

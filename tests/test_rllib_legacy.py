@@ -78,15 +78,12 @@ def test_onnx_reproduces_rllib_compute_actions(name, converted):
 @pytest.mark.parametrize("name", FEED_FORWARD)
 def test_exported_saved_model_reproduces_rllib(name, converted):
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.saved_model import load
+    from policy_export.exporter.tf_runner import TFGraphRunner
 
     _, expected = case(name)
     _, out = converted(name)
-    runner = load(out, plan_devices("cpu"))
-    try:
+    with TFGraphRunner.from_saved_model(out / "saved_model", plan_devices("cpu")) as runner:
         got = runner({"observations": expected["observations"]})
-    finally:
-        runner.close()
     check_against_rllib(got, expected)
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import FIXTURES_DIR
 from policy_export.exporter import ParityFailedError, export_policy, export_spec
 from policy_export.exporter import onnx_model
-from policy_export.exporter.saved_model import SavedModelRunner
+from policy_export.exporter.tf_runner import TFGraphRunner
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.defaults import DEFAULT_ALPHA
 from policy_export.policy import TFPolicy, UnsupportedSpaceError, spec_from_json
@@ -39,9 +39,9 @@ def test_dict_observation_leaves_are_keyed_by_nest_path_in_every_format(exports)
     expected = ["observations/camera", "observations/state"]
     assert list(result.manifest["keys"]["observations"]) == expected
     assert result.manifest["keys"]["observations"]["observations/camera"] == ["camera"]
-    runner = SavedModelRunner(out / "saved_model", plan_devices("cpu"))
-    assert set(expected) <= set(runner.inputs)
-    assert runner.inputs["observations/camera"].dtype.name == "uint8"
+    with TFGraphRunner.from_saved_model(out / "saved_model", plan_devices("cpu")) as runner:
+        assert set(expected) <= set(runner.inputs)
+        assert runner.inputs["observations/camera"].dtype == "uint8"
     inputs, _ = onnx_io(out / "model.onnx")
     assert inputs["observations/camera"] == ["batch", 32, 32, 3]  # NHWC kept by default
     assert inputs["observations/state"] == ["batch", 5]
@@ -112,7 +112,7 @@ def test_inputs_as_nchw_transposes_image_inputs_only(tmp_path):
     assert inputs["observations/camera"] == ["batch", 3, 32, 32]
     assert inputs["observations/state"] == ["batch", 5]
     assert result.formats["onnx"].details["nchw_inputs"] == ["observations/camera"]
-    assert SavedModelRunner(out / "saved_model", plan_devices("cpu")).inputs["observations/camera"].shape.as_list() == [None, 32, 32, 3]
+    assert TFGraphRunner.from_saved_model(out / "saved_model", plan_devices("cpu")).inputs["observations/camera"].shape == (None, 32, 32, 3)
     assert result.parity.passed
     onnx_records = [r for r in result.parity.records if r.format == "onnx"]
     assert onnx_records and all(r.passed for r in onnx_records)

@@ -1,0 +1,92 @@
+"""What a format plugin declares and does (see :mod:`exporter.formats`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from policy_export.policy.errors import InputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from policy_export.exporter.context import ExportContext, FormatRecord
+    from policy_export.exporter.parity import ParityReport
+    from policy_export.exporter.replay import Replay
+    from policy_export.exporter.runner import Runner
+    from policy_export.signatures.contract import Contract
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a format can do; export, verify, rollouts and localisation go by these alone.
+
+    - ``signature``: runs the policy's serving signature by key (the Keras files run the base
+      model alone, so they are checked on its inputs and outputs instead);
+    - ``explores``: samples actions when fed ``explore`` (exploration parity applies);
+    - ``steps_state``: carries recurrent state in and out (stepped parity applies);
+    - ``reference``: TensorFlow itself runs it, so fresh samples are compared against it;
+    - ``onnx``: an ONNX model, localised against the frozen graph when it fails;
+    - ``needs_frozen_graph``: writing it uses the frozen graph;
+    - ``default``: written when no formats are chosen.
+    """
+
+    signature: bool = True
+    explores: bool = True
+    steps_state: bool = True
+    reference: bool = False
+    onnx: bool = False
+    needs_frozen_graph: bool = False
+    default: bool = True
+
+
+class Format:
+    """One export format. Subclasses set ``name``, ``path``, ``order``, ``capabilities`` and
+    implement :meth:`write` and :meth:`open`; the rest has defaults that suit most formats."""
+
+    name: str = ""
+    path: str = ""  # inside the export: a file, or a directory for SavedModels
+    order: int = 100  # position in export order
+    capabilities: Capabilities = Capabilities()
+    is_directory: bool = False
+
+    def skip_reason(self, policy: Any) -> str | None:
+        """Why this format cannot be written for ``policy`` (it is then skipped), or ``None``."""
+        return None
+
+    def write(self, ctx: "ExportContext", target: Path) -> "FormatRecord":
+        """Write the format to ``target`` (``export_root / self.path``) and describe what was written."""
+        raise NotImplementedError
+
+    def open(self, path: Path, manifest: Mapping[str, Any], device: Any) -> "Runner":
+        """A :class:`~exporter.runner.Runner` over the model at ``path`` (checked before any
+        runtime loads it). ``manifest`` is the export's manifest (``tensor_names``, ``contract``,
+        ``formats``)."""
+        raise NotImplementedError(f"the {self.name} format has no runner")
+
+    def output_keys(self, contract: "Contract", info: Mapping[str, Any] | None) -> list[str]:
+        """The contract outputs this format computes (``info``: its manifest record)."""
+        return list(contract.output_keys)
+
+    def files(self, info: Mapping[str, Any] | None) -> set[str]:
+        """Every path the format owns inside an export, by its manifest record."""
+        listed = (info or {}).get("files", [])
+        return {self.path, *(p for p in listed if isinstance(p, str))} if isinstance(listed, list) else {self.path}
+
+    def check_candidate(self, path: Path) -> None:
+        """Raises InputError when ``path`` cannot hold this format (a file is expected by default)."""
+        kind = "directory" if self.is_directory else "file"
+        ok = path.is_dir() if self.is_directory else path.is_file()
+        if not ok:
+            raise InputError(f"candidate {self.name}={path}: no such {kind}")
+
+    def check(self, label: str, path: Path, manifest: Mapping[str, Any], device: Any, replay: "Replay",
+              report: "ParityReport") -> None:
+        """Replay the parity plan on this format: open, run golden/exploration/stepped, close."""
+        with self.open(path, manifest, device) as runner:
+            for key, value in runner.device_info().items():
+                report.devices.setdefault(key, value)
+            replay.check_runner(label, self, runner, report)
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}: {self.path}>"

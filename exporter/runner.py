@@ -1,0 +1,103 @@
+"""Runners: one lifecycle for every runtime that runs an exported policy.
+
+A runner is what a format's ``open`` returns. It runs the model by signature key::
+
+    with fmt.open(path, manifest, device) as runner:
+        runner.inputs["observations"]      # TensorMeta(key, dtype, shape) as the model declares it
+        outputs = runner({"observations": obs})
+
+Before running, the feeds are checked: a key the model does not take, or (with the export's
+contract) an array whose dtype or shape the contract does not allow, is an :class:`InputError`
+naming the input; nothing is run. Leaving the ``with`` block closes the runtime's session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from policy_export.policy.errors import InputError
+from policy_export.signatures.contract import Contract
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """An input or output as the runtime declares it; ``None`` for a dimension or dtype it leaves open."""
+
+    key: str
+    dtype: str | None
+    shape: tuple[int | None, ...] | None
+
+    def describe(self) -> str:
+        shape = "?" if self.shape is None else "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
+        return f"{self.key}: {self.dtype or '?'} {shape}"
+
+
+class Runner:
+    """Base of every runner: feed checks, metadata, and closing as a context manager.
+
+    Subclasses set ``label`` (what the errors call the model), ``inputs`` and ``outputs`` (key ->
+    :class:`TensorMeta`), optionally ``accepted`` (input keys it may be fed although the model
+    dropped them, e.g. inputs that freezing pruned), and implement :meth:`_run` and :meth:`_close`.
+    """
+
+    label = "model"
+    inputs: dict[str, TensorMeta]
+    outputs: dict[str, TensorMeta]
+    contract: Contract | None = None
+    accepted: frozenset[str] = frozenset()
+    _closed = False
+
+    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Check ``feeds`` (see :meth:`check_feeds`) and run; outputs keyed by signature key."""
+        arrays = self.check_feeds(feeds)
+        return self._run(arrays)
+
+    def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The feeds as arrays, after checking keys, and dtypes and shapes against the contract.
+
+        Raises:
+            InputError: a key the model does not take, or a dtype or shape the contract does not allow.
+        """
+        if self._closed:
+            raise InputError(f"{self.label} is closed")
+        unknown = sorted(set(feeds) - set(self.inputs) - set(self.accepted))
+        if unknown:
+            raise InputError(f"{self.label} has no input(s) {unknown}; it takes {sorted(self.inputs)}")
+        arrays = {k: np.asarray(v) for k, v in feeds.items()}
+        if self.contract is not None:
+            specs = {s.key: s for s in self.contract.inputs}
+            for key, value in arrays.items():
+                spec = specs.get(key)
+                if spec is None:
+                    continue
+                try:
+                    spec.assert_array(value)
+                except ValueError as e:
+                    raise InputError(f"{self.label}: input {e}") from None
+        return arrays
+
+    def device_info(self) -> dict[str, Any]:
+        """What the runtime runs on, for reports (e.g. ONNX Runtime's providers)."""
+        return {}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+

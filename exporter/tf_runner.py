@@ -1,0 +1,139 @@
+"""One runner for both TensorFlow formats: a graph in its own session, run by signature key.
+
+The SavedModel and the frozen graph differ only in how the graph gets into the session and where
+the key -> tensor mapping comes from (the SavedModel's signature, or the manifest's tensor names);
+:class:`TFGraphRunner` is built by :meth:`~TFGraphRunner.from_saved_model` or
+:meth:`~TFGraphRunner.from_graph_def` and runs the same way after that. Both check the model's ops
+(:mod:`exporter.trust`) before anything of it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from policy_export.exporter.devices import DevicePlan
+from policy_export.exporter.runner import Runner, TensorMeta
+from policy_export.exporter.trust import check_graph_def, check_saved_model
+from policy_export.policy.errors import ExportError
+from policy_export.policy.graph import session_config
+from policy_export.signatures.builder import SERVING_KEY, find_signature
+from policy_export.signatures.contract import Contract
+
+tf1 = tf.compat.v1
+SERVING_TAG = tf1.saved_model.tag_constants.SERVING
+
+_GLOB_CHARS = frozenset("*?[]{}\\")
+
+
+@contextlib.contextmanager
+def glob_free_path(path: Path) -> Iterator[Path]:
+    """``path``, or while in use a symbolic link to it without glob characters.
+
+    TensorFlow looks checkpoints up by glob pattern, so a SavedModel under a directory named like
+    ``exp_[1]`` would not load from its own path.
+    """
+    path = Path(path).absolute()
+    if not _GLOB_CHARS & set(str(path)):
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="policy-export-load-"))
+    try:
+        link = tmp / "model"
+        link.symlink_to(path, target_is_directory=True)
+        yield link
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _meta(key: str, tensor: tf.Tensor) -> TensorMeta:
+    shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else None
+    return TensorMeta(key, np.dtype(tensor.dtype.as_numpy_dtype).name, shape)
+
+
+class TFGraphRunner(Runner):
+    """A TF graph in its own session, fed and fetched by signature key.
+
+    ``accepted``: signature inputs the graph no longer holds (freezing prunes inputs no output
+    depends on); feeding them is allowed and changes nothing.
+    """
+
+    def __init__(self, graph: tf.Graph, session, inputs: Mapping[str, tf.Tensor], outputs: Mapping[str, tf.Tensor],
+                 label: str, accepted: frozenset[str] = frozenset(), contract: Contract | None = None):
+        self.graph, self.session, self.label, self.contract = graph, session, label, contract
+        self.input_tensors = dict(inputs)
+        self.output_tensors = dict(outputs)
+        self.inputs = {k: _meta(k, t) for k, t in inputs.items()}
+        self.outputs = {k: _meta(k, t) for k, t in outputs.items()}
+        self.accepted = frozenset(accepted)
+
+    @classmethod
+    def from_saved_model(cls, path: Path, device: DevicePlan, signature_key: str = SERVING_KEY,
+                         tags=(SERVING_TAG,), contract: Contract | None = None) -> "TFGraphRunner":
+        """Check the SavedModel's ops (:func:`exporter.trust.check_saved_model`), then load it.
+
+        Raises:
+            UnsafeModelError: the SavedModel holds an op that may not be loaded (nothing is run).
+            ExportError: not a loadable SavedModel, or no such signature.
+        """
+        check_saved_model(path)
+        graph = tf.Graph()
+        session = tf1.Session(graph=graph, config=session_config(device.tf_device))
+        try:
+            with graph.as_default(), tf.device(device.tf_device), glob_free_path(path) as alias:
+                meta = tf1.saved_model.loader.load(session, list(tags), str(alias))
+            sig = find_signature(meta, signature_key, str(path))
+        except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
+            session.close()
+            raise ExportError(f"{path} is not a loadable SavedModel with tags {list(tags)}: {e}") from e
+        except ExportError:
+            session.close()
+            raise
+        inputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.inputs.items()}
+        outputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.outputs.items()}
+        return cls(graph, session, inputs, outputs, f"SavedModel {path}", contract=contract)
+
+    @classmethod
+    def from_graph_def(cls, path: Path, tensor_names: Mapping[str, Mapping[str, str]], device: DevicePlan,
+                       contract: Contract | None = None) -> "TFGraphRunner":
+        """Parse and check a frozen GraphDef (:func:`exporter.trust.check_graph_def`), then import it;
+        ``tensor_names`` (the manifest's) maps signature keys to its tensors.
+
+        Raises:
+            UnsafeModelError: the graph holds an op that may not be loaded.
+            ExportError: not a serialized GraphDef, or a tensor named in ``tensor_names`` is missing.
+        """
+        graph_def = tf1.GraphDef()
+        try:
+            graph_def.ParseFromString(Path(path).read_bytes())
+        except Exception as e:  # protobuf raises its own DecodeError
+            raise ExportError(f"{path} is not a serialized GraphDef: {e}") from e
+        check_graph_def(graph_def, str(path))  # before any of its ops can run
+        graph = tf.Graph()
+        try:
+            with graph.as_default(), tf.device(device.tf_device):
+                tf.graph_util.import_graph_def(graph_def, name="")
+            present = {op.name for op in graph.get_operations()}
+            inputs = {k: graph.get_tensor_by_name(n) for k, n in tensor_names["inputs"].items()
+                      if n.split(":")[0] in present}
+            outputs = {k: graph.get_tensor_by_name(n) for k, n in tensor_names["outputs"].items()}
+        except (ValueError, KeyError, tf.errors.OpError) as e:
+            raise ExportError(f"{path} does not hold the export's signature tensors: {e}") from e
+        del graph_def
+        session = tf1.Session(graph=graph, config=session_config(device.tf_device))
+        pruned = frozenset(tensor_names["inputs"]) - set(inputs)
+        return cls(graph, session, inputs, outputs, f"frozen graph {path}", accepted=pruned, contract=contract)
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed_dict = {self.input_tensors[k]: v for k, v in feeds.items() if k in self.input_tensors}
+        values = self.session.run(self.output_tensors, feed_dict)
+        return {k: np.asarray(v) for k, v in values.items()}
+
+    def _close(self) -> None:
+        self.session.close()
