@@ -178,8 +178,7 @@ def export_policy(
                         f"explore_samples {explore_samples} x {DEFAULT_OBSERVATIONS} observations:")
     plan = plan_devices(device)
     tolerances = tf32_tolerances(tolerances or Tolerances(), plan)
-    out = Path(out)
-    check_target(out.absolute(), overwrite)
+    out = Path(out)  # the target is checked by staged_directory, before anything is built
 
     signature = build_signature(policy)
     named = set(tolerances.per_output) | tolerances.allow_non_finite
