@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import gc
 import json
 import time
 import logging
@@ -26,6 +27,7 @@ from policy_export.exporter import frozen_graph, keras_model, manifest
 from policy_export.exporter.context import (
     ALL_FORMATS, DEFAULT_OPSET, ExportContext, FormatRecord, check_opset, resolve_formats,  # noqa: F401 (re-exported)
 )
+from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from policy_export.exporter.devices import TF32_TOLERANCE, DevicePlan, plan_devices
 from policy_export.exporter.exploration import (
     DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, logp_of_given_actions, rounding_allowance, within_allowance,
@@ -149,6 +151,7 @@ def export_policy(
     inputs_as_nchw: bool = False,
     stepped_steps: int = DEFAULT_STEPS,
     source: Mapping[str, Any] | None = None,
+    external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
@@ -158,7 +161,8 @@ def export_policy(
     only if parity passes. ``inputs_as_nchw`` makes the ONNX model take rank-4 image inputs as
     NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
     get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
-    ``source`` is recorded in the manifest (e.g. what a converted model came from). The parity
+    ONNX models whose weights exceed ``external_data_threshold`` bytes keep them in a ``.data``
+    file beside the model (ONNX external data). ``source`` is recorded in the manifest (e.g. what a converted model came from). The parity
     plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
     ``parity/`` so that :func:`verify_export` replays it.
 
@@ -187,7 +191,10 @@ def export_policy(
         raise InputError(f"tolerance given for unknown output(s) {unknown_tol}; outputs are {signature.contract.output_keys}")
     chosen = _writable(policy, formats, explicit)
     formats = tuple(f.name for f in chosen)
-    ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw)
+    if external_data_threshold < 0:
+        raise InputError(f"external_data_threshold must be 0 or more, got {external_data_threshold}")
+    ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw,
+                        external_data_threshold=external_data_threshold)
 
     timings: dict[str, float] = {}
     with _disk_errors(out), staged_directory(out, overwrite) as stage:
@@ -199,6 +206,8 @@ def export_policy(
             log.info("writing %s", fmt.name)
             with _stage(timings, f"write {fmt.name}"):
                 records[fmt.name] = fmt.write(ctx, stage / fmt.path)
+        ctx.release()  # the frozen graph and the converted models hold weights no later stage needs
+        gc.collect()
         parity_start = time.perf_counter()
         golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
         parity_plan = ParityPlan(golden_in, _reference_outputs(policy, golden_in, batch_size))

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ONNX model takes rank-4 image inputs as NCHW (other inputs keep their layout)")
     ex.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
                     help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
+    ex.add_argument("--external-data-threshold", type=int, default=D.DEFAULT_EXTERNAL_DATA_THRESHOLD, metavar="BYTES",
+                    help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
+                         f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
     _parity_options(ex, D.DEFAULT_SAMPLES)
 
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
@@ -302,6 +305,8 @@ def _cmd_export(args, console) -> int:
         raise InputError(f"--samples must be at least 1, got {args.samples}")
     if args.explore_samples < 0:
         raise InputError(f"--explore-samples must be 0 or more, got {args.explore_samples}")
+    if args.external_data_threshold < 0:
+        raise InputError(f"--external-data-threshold must be 0 or more, got {args.external_data_threshold}")
     _check_seed(args)
     _check_report_paths(args, args.out)
     tolerances = _tolerances(args)
@@ -317,7 +322,8 @@ def _cmd_export(args, console) -> int:
         result = export_spec(args.spec, args.out, device=_device_plan(args), formats=formats, opset=args.opset,
                              samples=args.samples, seed=args.seed, tolerances=tolerances,
                              overwrite=args.overwrite, explore_samples=args.explore_samples,
-                             inputs_as_nchw=args.inputs_as_nchw)
+                             inputs_as_nchw=args.inputs_as_nchw,
+                             external_data_threshold=args.external_data_threshold)
     except ParityFailedError as e:
         if e.report is not None:
             _emit_reports(args, e.report, "export")

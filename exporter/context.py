@@ -10,7 +10,7 @@ from policy_export.exporter import formats as registry
 from policy_export.exporter.devices import DevicePlan
 from policy_export.policy.errors import InputError
 
-from policy_export.exporter.defaults import DEFAULT_OPSET  # noqa: F401 (re-exported)
+from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OPSET  # noqa: F401 (re-exported)
 SUPPORTED_OPSETS = range(13, 22)
 ALL_FORMATS = registry.names()  # every registered format, in export order
 
@@ -53,7 +53,9 @@ class ExportContext:
     device: DevicePlan
     opset: int = DEFAULT_OPSET
     inputs_as_nchw: bool = False
+    external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD
     _frozen: Any = None
+    _onnx: Any = None
 
     def frozen_graph_def(self):
         """The frozen inference GraphDef holding every signature output (cached)."""
@@ -62,3 +64,16 @@ class ExportContext:
 
             self._frozen = frozen_graph.freeze(self.policy, self.signature)
         return self._frozen
+
+    def release(self) -> None:
+        """Drop the cached frozen graph and converted models (their weights) once written."""
+        self._frozen = None
+        self._onnx = None
+
+    def onnx_models(self):
+        """Both ONNX models from one conversion (:func:`exporter.onnx_convert.convert_both`, cached)."""
+        if self._onnx is None:
+            from policy_export.exporter.onnx_convert import convert_both
+
+            self._onnx = convert_both(self)
+        return self._onnx

@@ -11,3 +11,4 @@ DEFAULT_OBSERVATIONS = 4  # probe observations of exploration parity
 DEFAULT_ALPHA = 1e-6  # false-failure rate of one format's family of exploration tests
 EXPORT_SEED = 0  # seed of export's parity samples
 VERIFY_SEED = 1  # seed of verify's fresh samples
+DEFAULT_EXTERNAL_DATA_THRESHOLD = 1 << 30  # ONNX weight bytes above which they go to an external data file

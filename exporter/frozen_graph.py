@@ -16,7 +16,12 @@ FILENAME = "frozen_graph.pb"
 def freeze(policy, signature) -> tf1.GraphDef:
     """Fold the session's variables into constants, keeping only what the outputs need, then
     rewrite the ops ONNX converters get wrong (:func:`replace_sparse_softmax_cross_entropy`)."""
-    output_nodes = sorted({t.op.name for t in signature.outputs.values()})
+    return freeze_tensors(policy, [t.name for t in signature.outputs.values()])
+
+
+def freeze_tensors(policy, tensor_names: list[str]) -> tf1.GraphDef:
+    """:func:`freeze` for the tensors named ``tensor_names``."""
+    output_nodes = sorted({n.split(":")[0] for n in tensor_names})
     try:
         with policy.graph.as_default():
             frozen = tf1.graph_util.convert_variables_to_constants(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ onnx = import_onnx()
 from onnx import helper, numpy_helper  # noqa: E402
 
 from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from policy_export.exporter.devices import DevicePlan
+from policy_export.exporter.onnx_convert import names_read
 from policy_export.exporter.runner import Runner, TensorMeta
 from policy_export.policy.errors import ExportError
 from policy_export.signatures.contract import Contract
@@ -38,40 +41,8 @@ CONTRACT_METADATA = "policy_export.contract"
 LAYOUT_METADATA = "policy_export.nchw_inputs"
 
 
-def convert(ctx: ExportContext, signature=None, graph_def=None) -> onnx.ModelProto:
-    """tf2onnx conversion of a frozen graph, then keys, optional inputs, batch dims and checks.
-
-    Defaults to the policy's signature and the export's frozen graph.
-
-    Raises:
-        ExportError: the conversion fails, the opset is not the requested one, or the checker fails.
-    """
-    import tf2onnx
-
-    sig = signature or ctx.signature
-    graph_def = graph_def if graph_def is not None else ctx.frozen_graph_def()
-    present = {n.name for n in graph_def.node}
-    inputs = {k: t.name for k, t in sig.inputs.items() if t.op.name in present}
-    outputs = {k: t.name for k, t in sig.outputs.items()}
-    if len(set(outputs.values())) != len(outputs):
-        raise ExportError("two signature outputs are the same tensor; give each its own tensor (tf.identity)")
-    rename = {name: key for key, name in {**inputs, **outputs}.items()}
-    # only the policy's image inputs (rank-4, HxWxC) change layout
-    nchw = [k for k in ctx.policy.image_inputs if k in inputs] if ctx.inputs_as_nchw else []
-    try:
-        model, _ = tf2onnx.convert.from_graph_def(
-            graph_def, name=ctx.policy.name, input_names=list(inputs.values()),
-            output_names=list(outputs.values()), opset=ctx.opset, tensors_to_rename=rename,
-            inputs_as_nchw=[inputs[k] for k in nchw] or None,
-        )
-    except Exception as e:  # tf2onnx raises many kinds; say which stage failed
-        raise ExportError(f"ONNX conversion (tf2onnx, opset {ctx.opset}) failed: {type(e).__name__}: {e}") from e
-    finish_model(model, sig.contract, ctx.opset, nchw)
-    return model
-
-
 def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: list[str] | None = None) -> None:
-    """Make ``model`` carry the contract exactly, then run the full ONNX checker.
+    """Make ``model`` carry the contract exactly (:func:`save` runs the full checker on the file).
 
     ``nchw`` names the inputs whose layout was transposed to NCHW (recorded in the metadata).
     """
@@ -85,10 +56,6 @@ def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: l
     helper.set_model_props(model, {CONTRACT_METADATA: json.dumps(contract.to_json(), sort_keys=True),
                                    LAYOUT_METADATA: json.dumps(sorted(nchw or []))})
     model.producer_name = "policy-export"
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise ExportError(f"the ONNX model fails onnx.checker: {e}") from e
 
 
 def _check_opset(model: onnx.ModelProto, opset: int) -> None:
@@ -113,21 +80,10 @@ def _scalar_one_hot_depths(graph: onnx.GraphProto) -> None:
             node.input[1] = name
 
 
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every name a node of ``graph`` or of its subgraphs (If/Loop bodies) reads."""
-    names: set[str] = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                names |= _names_read(sub)
-    return names
-
-
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     """Remove initializers that no node reads and that back no graph input (an optional input's
     default) or output: the converter's and the post-processing's leftovers."""
-    keep = _names_read(graph) | {i.name for i in graph.input} | {o.name for o in graph.output}
+    keep = names_read(graph) | {i.name for i in graph.input} | {o.name for o in graph.output}
     unused = [i for i in graph.initializer if i.name not in keep]
     for init in unused:
         graph.initializer.remove(init)
@@ -163,39 +119,79 @@ def _name_batch_dims(graph: onnx.GraphProto, contract: Contract) -> None:
             dims[0].dim_param = BATCH_DIM
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers."""
+    return sum(len(i.raw_data) or numpy_helper.to_array(i).nbytes for i in model.graph.initializer)
+
+
+def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD) -> tuple[str, ...]:
+    """Save ``model`` to ``target`` and run the full ONNX checker on the file; returns the file
+    names written (the model, and its external data file when there is one).
+
+    Models whose weights exceed ``external_threshold`` bytes keep them in ``<target>.data`` beside
+    the model (ONNX external data): a single protobuf cannot exceed 2 GiB.
+
+    Raises:
+        ExportError: the checker fails.
+    """
+    files = [target.name]
+    if weight_bytes(model) > external_threshold:
+        location = f"{target.name}.data"
+        onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=location, size_threshold=1024, convert_attribute=False)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(target.parent / location, 0o666 & ~umask)  # onnx writes it private; it is part of the export
+        files.append(location)
+    else:
+        onnx.save_model(model, str(target))
+    try:
+        onnx.checker.check_model(str(target), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise ExportError(f"the ONNX model fails onnx.checker: {e}") from e
+    return tuple(files)
+
+
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
-    """Convert and save ``model.onnx``."""
-    model = convert(ctx)
-    onnx.save_model(model, str(target))
-    return FormatRecord("onnx", (target.name,), {
+    """Save ``model.onnx`` (converted together with the deterministic model, see :mod:`exporter.onnx_convert`)."""
+    converted = ctx.onnx_models()
+    model = converted.full
+    finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
+    files = save(model, target, ctx.external_data_threshold)
+    record = FormatRecord("onnx", files, {
         "opset": ctx.opset, "nodes": len(model.graph.node),
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
-        "nchw_inputs": nchw_inputs(model),
+        "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     })
+    converted.full = None  # free it: the file is written
+    return record
 
 
 def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
-    """Convert and save the deterministic path alone: no random ops, no explore branch.
+    """Save the deterministic path alone: no random ops, no explore branch.
 
     Raises:
         ExportError: the policy exposes no deterministic outputs, or the model still holds
             random ops or control flow.
     """
-    from policy_export.exporter import frozen_graph
     from policy_export.signatures.builder import build_deterministic_signature
 
     sig = build_deterministic_signature(ctx.policy)
-    if sig is None:
+    converted = ctx.onnx_models()
+    model = converted.deterministic
+    if sig is None or model is None:
         raise ExportError("the policy exposes no deterministic outputs; leave 'onnx_deterministic' out of the formats")
-    model = convert(ctx, sig, frozen_graph.freeze(ctx.policy, sig))
     unwanted = sorted({n.op_type for n in model.graph.node} & (RANDOM_OPS | {"If", "Loop"}))
     if unwanted:
         raise ExportError(f"the deterministic model still holds {unwanted}")
-    onnx.save_model(model, str(target))
-    return FormatRecord("onnx_deterministic", (target.name,), {
+    finish_model(model, sig.contract, ctx.opset, [k for k in converted.nchw if k in sig.contract.input_keys])
+    files = save(model, target, ctx.external_data_threshold)
+    record = FormatRecord("onnx_deterministic", files, {
         "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
-        "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model),
+        "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     })
+    converted.deterministic = None
+    return record
 
 
 def nchw_inputs(model: onnx.ModelProto) -> list[str]:
@@ -222,10 +218,37 @@ def check_file(path: Path) -> None:
     """
     if not Path(path).is_file():
         raise ExportError(f"{path} does not exist")
+    check_external_data(Path(path))
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:  # DecodeError, ValidationError, OSError...
         raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+
+
+def check_external_data(path: Path) -> None:
+    """Every external data file the model names must be a plain file name beside it (no path
+    separators, no ``..``) that exists as a regular file; checked before anything reads it.
+
+    Raises:
+        ExportError: the model cannot be parsed, or names external data elsewhere or missing.
+    """
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # DecodeError and friends
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not location or location != Path(location).name or location in (".", ".."):
+            raise ExportError(f"{path}: tensor {tensor.name!r} keeps its data at {location!r}, not in a file "
+                              "beside the model; refusing to read it")
+        data = path.parent / location
+        if data.is_symlink() or not data.is_file():
+            raise ExportError(f"{path}: external data file {location} of tensor {tensor.name!r} is missing "
+                              "or not a regular file")
 
 
 def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,

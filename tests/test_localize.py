@@ -12,7 +12,7 @@ from onnx import numpy_helper
 from policy_export.exporter import api, export_policy, formats
 from test_verify_plan import copy_of, resign, verify_cli
 
-FAULTY_WEIGHT = "base_model/fc_2/MatMul/ReadVariableOp:0"  # the second hidden layer's kernel
+FAULTY_WEIGHT = "fc_2/kernel:0"  # the second hidden layer's kernel (initializers are named after the variables)
 
 
 def inject_fault(path: Path, initializer: str = FAULTY_WEIGHT, delta: float = 0.5) -> None:
@@ -82,8 +82,8 @@ def test_localize_compares_in_topological_order(exports, tmp_path):
     from policy_export.exporter.parity import Tolerance
 
     export = copy_of(exports, "cartpole_mlp", tmp_path)
-    inject_fault(export / "model.onnx", "base_model/fc_out/MatMul/ReadVariableOp:0")
-    inject_fault(export / "model.onnx", "base_model/fc_1/MatMul/ReadVariableOp:0", delta=0.25)
+    inject_fault(export / "model.onnx", "fc_out/kernel:0")
+    inject_fault(export / "model.onnx", "fc_1/kernel:0", delta=0.25)
     feeds = dict(np.load(export / "parity" / "inputs.npz"))
     result = localize(export / "frozen_graph.pb", export / "model.onnx",
                       read_manifest(export)["tensor_names"]["inputs"], feeds, Tolerance(1e-5, 1e-5))

@@ -11,7 +11,7 @@ class OnnxFormat(Format):
     name = "onnx"
     path = "model.onnx"
     order = 30
-    capabilities = Capabilities(onnx=True, needs_frozen_graph=True)
+    capabilities = Capabilities(onnx=True)
 
     def write(self, ctx, target: Path):
         from policy_export.exporter import onnx_model

@@ -1,0 +1,297 @@
+"""One tf2onnx conversion for both ONNX models, with the weights kept out of the converter.
+
+tf2onnx's optimiser passes grow with every weight tensor in the graph (each pass re-serialises the
+constants), so converting a frozen graph costs many copies of the weights in memory and most of an
+export's time. Instead:
+
+1. **Skeleton.** The policy graph, pruned to the union of the signature's outputs and the
+   deterministic outputs, with each variable replaced by a placeholder of its dtype and shape
+   (``VarHandleOp``/``VariableV2`` -> ``Placeholder``, ``ReadVariableOp`` -> ``Identity``). It holds no
+   weight bytes, so it is a few kilobytes at any model size and never near protobuf's 2 GiB limit.
+2. **One conversion** of the skeleton, the weights being graph inputs.
+3. **Weights in.** Each weight input becomes an initializer, read from the session one variable at
+   a time; ops that only reshape a weight (``Transpose``, ``Cast``, ``Identity``) are folded into it.
+4. **Split.** ``model.onnx`` keeps what the signature's outputs need; ``model_deterministic.onnx``
+   what the deterministic outputs need, with the required inputs only (an optional input it reads
+   becomes a constant holding the default).
+
+A graph the skeleton cannot stand for (a variable read by anything but a plain read, a converter
+error on the placeholders) is converted the classic way instead: frozen once, for both models'
+outputs, then converted once and split the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from policy_export.exporter.compat import import_onnx
+
+onnx = import_onnx()
+from onnx import helper, numpy_helper  # noqa: E402
+
+from policy_export.policy.errors import ExportError  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+DETERMINISTIC_PREFIX = "deterministic__"
+_VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
+_REF_READERS = {"Identity"}  # a VariableV2's readers the skeleton keeps as they are
+_FOLDABLE = {"Transpose", "Cast", "Identity"}
+
+
+@dataclass
+class Converted:
+    """Both models (``deterministic`` is ``None`` without deterministic outputs) and how they were made."""
+
+    full: Any
+    deterministic: Any
+    route: str  # "skeleton" or "frozen"
+    nchw: list[str] = field(default_factory=list)  # inputs transposed to NCHW
+    weights: int = 0
+    folded: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def convert_both(ctx) -> Converted:
+    """Convert the policy once for ``model.onnx`` and ``model_deterministic.onnx``.
+
+    Raises:
+        ExportError: the conversion fails, or a model fails its checks.
+    """
+    from policy_export.signatures.builder import build_deterministic_signature
+
+    sig = ctx.signature
+    det = build_deterministic_signature(ctx.policy)
+    outputs = _union_outputs(sig, det)
+    try:
+        graph_def, weights = skeleton(ctx.policy, sorted({n.split(":")[0] for n in outputs}))
+        route = "skeleton"
+    except _NoSkeleton as e:
+        log.info("converting the frozen graph: %s", e)
+        graph_def, weights, route = None, {}, "frozen"
+    model = None
+    if route == "skeleton":
+        try:
+            model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, list(weights))
+        except ExportError as e:
+            log.info("the skeleton does not convert (%s); converting the frozen graph", e)
+            route, weights = "frozen", {}
+    if route == "frozen":
+        from policy_export.exporter import frozen_graph
+
+        graph_def = frozen_graph.freeze_tensors(ctx.policy, list(outputs))
+        model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, [])
+    del graph_def
+    _weights_in(model.graph, ctx.policy.session, weights)
+    folded = fold_weight_ops(model.graph)
+    full = prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract)
+    deterministic = None
+    if det is not None:
+        pairs = [(outputs_key(sig, det, k), k) for k in det.outputs]
+        deterministic = prune(model, pairs, det.contract, sig.contract)
+    del model
+    return Converted(full, deterministic, route, nchw, len(weights), folded)
+
+
+def outputs_key(sig, det, key: str) -> str:
+    """The name the converted graph gives deterministic output ``key``: the signature key of the
+    same tensor when the signature outputs it, else ``deterministic__<key>``."""
+    tensor = det.outputs[key].name
+    same = [k for k, t in sig.outputs.items() if t.name == tensor]
+    return same[0] if same else DETERMINISTIC_PREFIX + key
+
+
+def _union_outputs(sig, det) -> dict[str, str]:
+    """Tensor name -> converted name, for every signature output and every deterministic output."""
+    outputs: dict[str, str] = {}
+    for key, tensor in sig.outputs.items():
+        if tensor.name in outputs:
+            raise ExportError("two signature outputs are the same tensor; give each its own tensor (tf.identity)")
+        outputs[tensor.name] = key
+    for key, tensor in (det.outputs.items() if det is not None else ()):
+        outputs.setdefault(tensor.name, DETERMINISTIC_PREFIX + key)
+    return outputs
+
+
+class _NoSkeleton(Exception):
+    pass
+
+
+def skeleton(policy, output_nodes: list[str]):
+    """The policy graph pruned to ``output_nodes`` with its variables as placeholders, and the
+    weight inputs: placeholder tensor name -> the session tensor holding its value.
+
+    Raises:
+        _NoSkeleton: a variable is used other than by plain reads.
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
+
+    from policy_export.exporter.frozen_graph import replace_sparse_softmax_cross_entropy
+
+    tf1 = tf.compat.v1
+    graph_def = tf1.graph_util.extract_sub_graph(policy.graph.as_graph_def(), output_nodes)
+    variables = {n.name: n for n in graph_def.node if n.op in _VARIABLE_OPS}
+    weights: dict[str, Any] = {}
+    for node in graph_def.node:
+        sources = [i.split(":")[0].lstrip("^") for i in node.input]
+        if not any(s in variables for s in sources):
+            continue
+        if node.op == "ReadVariableOp":
+            handle = variables[sources[0]]
+            weights.setdefault(f"{handle.name}:0", policy.graph.get_tensor_by_name(f"{node.name}:0"))
+            dtype = node.attr["dtype"].type
+            node.op = "Identity"
+            node.ClearField("attr")
+            node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype))
+        elif node.op in _REF_READERS and variables[sources[0]].op != "VarHandleOp":
+            weights.setdefault(f"{sources[0]}:0", policy.graph.get_tensor_by_name(f"{sources[0]}:0"))
+        else:
+            raise _NoSkeleton(f"variable {sources[0]} is used by a {node.op} op ({node.name})")
+    for node in variables.values():
+        dtype, shape = node.attr["dtype"], node.attr["shape"]
+        node.op = "Placeholder"
+        node.ClearField("attr")
+        node.attr["dtype"].CopyFrom(dtype)
+        node.attr["shape"].CopyFrom(shape)
+    for node in graph_def.node:
+        node.device = ""
+    missing = [n for n in variables if f"{n}:0" not in weights]
+    if missing:
+        raise _NoSkeleton(f"variables {missing} are never read")
+    return replace_sparse_softmax_cross_entropy(graph_def), weights
+
+
+def _tf2onnx(ctx, graph_def, sig, outputs: Mapping[str, str], weight_inputs: list[str]):
+    import tf2onnx
+
+    present = {n.name for n in graph_def.node}
+    inputs = {k: t.name for k, t in sig.inputs.items() if t.op.name in present}
+    rename = {**{name: key for key, name in inputs.items()}, **outputs}
+    nchw = [k for k in ctx.policy.image_inputs if k in inputs] if ctx.inputs_as_nchw else []
+    try:
+        model, _ = tf2onnx.convert.from_graph_def(
+            graph_def, name=ctx.policy.name, input_names=list(inputs.values()) + weight_inputs,
+            output_names=list(outputs), opset=ctx.opset, tensors_to_rename=rename,
+            inputs_as_nchw=[inputs[k] for k in nchw] or None,
+        )
+    except Exception as e:  # tf2onnx raises many kinds; say which stage failed
+        raise ExportError(f"ONNX conversion (tf2onnx, opset {ctx.opset}) failed: {type(e).__name__}: {e}") from e
+    return model, nchw
+
+
+def _weights_in(graph, session, weights: Mapping[str, Any]) -> None:
+    """Each weight input becomes an initializer holding the session's value (one variable at a time)."""
+    if not weights:
+        return
+    names = set(weights)
+    keep = [i for i in graph.input if i.name not in names]
+    for name, tensor in weights.items():
+        value = session.run(tensor)
+        graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        del value
+    del graph.input[:]
+    graph.input.extend(keep)
+
+
+def fold_weight_ops(graph) -> int:
+    """Fold ``Transpose``/``Cast``/``Identity`` nodes whose only input is an initializer into a new
+    initializer (tf2onnx leaves them when the weights are inputs); returns how many were folded."""
+    inputs = {i.name for i in graph.input}
+    folded = 0
+    changed = True
+    while changed:
+        changed = False
+        initializers = {i.name: i for i in graph.initializer if i.name not in inputs}
+        consumers: dict[str, int] = {}
+        for node in graph.node:
+            for name in node.input:
+                consumers[name] = consumers.get(name, 0) + 1
+        outputs = {o.name for o in graph.output}
+        for node in list(graph.node):
+            if node.op_type not in _FOLDABLE or len(node.input) != 1 or node.input[0] not in initializers:
+                continue
+            if node.output[0] in outputs:
+                continue
+            source = initializers[node.input[0]]
+            value = numpy_helper.to_array(source)
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            if node.op_type == "Transpose":
+                value = np.transpose(value, attrs.get("perm"))
+            elif node.op_type == "Cast":
+                value = value.astype(helper.tensor_dtype_to_np_dtype(attrs["to"]))
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), node.output[0]))
+            graph.node.remove(node)
+            if consumers.get(source.name, 0) <= 1 and source.name not in outputs:
+                graph.initializer.remove(source)
+            folded += 1
+            changed = True
+            break
+    return folded
+
+
+def prune(model, outputs: list[tuple[str, str]], contract, full_contract):
+    """A new model with what ``outputs`` (converted name, key) need: nodes, initializers (If/Loop
+    bodies' reads counted) and the ``contract``'s inputs; an input of ``full_contract`` that is
+    not in ``contract`` but is read becomes a constant holding its default."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    need: set[str] = set()
+    stack = [src for src, _ in outputs]
+    while stack:
+        name = stack.pop()
+        if not name or name in need:
+            continue
+        need.add(name)
+        node = producer.get(name)
+        if node is None:
+            continue
+        stack.extend(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                stack.extend(names_read(sub))
+    out = onnx.ModelProto()
+    out.ir_version = model.ir_version
+    out.opset_import.extend(model.opset_import)
+    out.producer_name = model.producer_name
+    out.metadata_props.extend(model.metadata_props)
+    g = out.graph
+    g.name = graph.name
+    g.node.extend(n for n in graph.node if any(o in need for o in n.output))
+    g.initializer.extend(i for i in graph.initializer if i.name in need)
+    own = set(contract.input_keys)
+    defaults = {s.key: s for s in full_contract.inputs if not s.required}
+    initialized = {i.name for i in g.initializer}
+    for value in graph.input:
+        if value.name in own:
+            g.input.append(value)
+        elif value.name in need and value.name not in initialized:
+            spec = defaults.get(value.name)
+            if spec is None:
+                raise ExportError(f"the deterministic outputs need the required input {value.name!r}, "
+                                  "which their signature does not take")
+            g.initializer.append(numpy_helper.from_array(np.asarray(spec.default, np.dtype(spec.dtype)), value.name))
+    declared = {o.name: o for o in graph.output}
+    for src, key in outputs:
+        value = g.output.add()
+        value.CopyFrom(declared[src])
+        if src != key:
+            g.node.append(helper.make_node("Identity", [src], [key], name=f"{key}/output"))
+            value.name = key
+    return out
+
+
+def names_read(graph) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs (If/Loop bodies) reads."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= names_read(sub)
+    return names
