@@ -1,15 +1,18 @@
 """Latency, graph size, export stage times and memory, measured in one run.
 
-    python -m benchmarks                 # fixtures + scaling to 50M parameters
-    python -m benchmarks --quick         # fixtures only
+    python -m benchmarks                       # fixtures + scaling at 1M, 10M, 50M and 200M parameters
+    python -m benchmarks --quick               # fixtures only
+    python -m benchmarks --sizes 1M,10M        # fixtures + the chosen scaling sizes
     python -m benchmarks --json out.json
 
 For each MLP policy: latency per call (median after warm-up) at batch 1, 32 and 1,024 of the TF
 session, ONNX Runtime on ``model.onnx`` and on ``model_deterministic.onnx`` (both fetching
 ``actions_0``, explore off), and ONNX Runtime on a hand-built minimal graph with the same weights;
-the ratios ours/TF and ours/minimal; node counts; each export stage's wall time. Then policies of
-about 1M, 10M and 50M parameters are exported and verified, each in a fresh process, with stage
-times and peak memory. The machine is noisy: the ratios are the figures.
+the ratios ours/TF and ours/minimal; node counts; each export stage's wall time. Then MLPs of
+about 1M, 10M, 50M and 200M parameters (obs Box(64), three tanh layers, Discrete(8)) are exported
+and then verified, each in a fresh process, with every stage's time, the process's peak resident
+memory after each stage, and the goals: peak memory at most 1 GiB + 6x the weight bytes, a 10M
+export within 15 s and a 50M export within 60 s. The machine is noisy: the ratios are the figures.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,8 +32,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = (1, 32, 1024)
-SCALES = {"1M": [1024, 896], "10M": [3136, 3136], "50M": [7040, 7040]}
+SCALES = {"1M": [690] * 3, "10M": [2200] * 3, "50M": [5000] * 3, "200M": [10000] * 3}
 OBS_DIM = 64
+ACTIONS = 8
+TIME_GOALS_S = {"10M": 15.0, "50M": 60.0}  # export wall time
+MEMORY_BASE_MB, MEMORY_PER_WEIGHT = 1024.0, 6.0  # peak RSS goal: 1 GiB + 6x the weight bytes
 
 
 def median_latencies(fns: dict, batch: int) -> dict[str, float]:
@@ -97,37 +104,66 @@ def scale_spec(name: str, hiddens: list[int], directory: Path) -> Path:
 
     spec = spec_from_json({"format_version": 1, "name": f"mlp_{name}",
                            "observation_space": {"type": "Box", "low": -1.0, "high": 1.0, "shape": [OBS_DIM]},
-                           "action_space": {"type": "Discrete", "n": 4},
+                           "action_space": {"type": "Discrete", "n": ACTIONS},
                            "model": {"hiddens": hiddens, "activation": "tanh"}, "seed": 0})
     write_spec(spec, directory / name)
     return directory / name
 
 
-def scale_run(spec_dir: str, out: str) -> dict:
-    """Export and verify one policy in this process; report stage times and peak memory."""
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def scale_run(mode: str, spec_dir: str, out: str) -> dict:
+    """Export (``mode="export"``) or verify one policy in this process; stage times and peak memory."""
     from policy_export.exporter import export_spec, verify_export
 
     start = time.perf_counter()
-    result = export_spec(spec_dir, out, device="cpu", overwrite=True)
-    export_s = time.perf_counter() - start
-    start = time.perf_counter()
-    verified = verify_export(out, device="cpu")
-    verify_s = time.perf_counter() - start
-    from policy_export.policy import TFPolicy, load_spec
+    if mode == "export":
+        result = export_spec(spec_dir, out, device="cpu", overwrite=True)
+        from policy_export.policy import load_spec
 
-    params = int(sum(v.size for v in TFPolicy.from_spec(load_spec(spec_dir)).get_weights().values()))
-    return {"parameters": params, "export_s": export_s, "verify_s": verify_s, "verified": verified.passed,
-            "parity_passed": result.parity.passed, "export_stages_s": result.timings,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "export_dir_mb": sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file()) / 2**20}
+        spec = load_spec(spec_dir)
+        hiddens = [OBS_DIM, *spec.model.hiddens, ACTIONS]
+        params = sum(a * b + b for a, b in zip(hiddens, hiddens[1:]))
+        return {"parameters": params, "weights_mb": params * 4 / 2**20, "export_s": time.perf_counter() - start,
+                "parity_passed": result.parity.passed, "export_stages_s": result.timings,
+                "stage_peak_rss_mb": getattr(result, "peak_rss_mb", {}), "peak_rss_mb": _peak_mb(),
+                "export_dir_mb": sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file()) / 2**20}
+    verified = verify_export(out, device="cpu")
+    return {"verify_s": time.perf_counter() - start, "verified": verified.passed, "verify_peak_rss_mb": _peak_mb()}
+
+
+def goals(run: dict) -> dict:
+    """Which goals a scaling run meets: memory budget (export and verify) and export time."""
+    budget = MEMORY_BASE_MB + MEMORY_PER_WEIGHT * run["weights_mb"]
+    out = {"memory_budget_mb": budget,
+           "memory_ok": run["peak_rss_mb"] <= budget and run.get("verify_peak_rss_mb", 0) <= budget}
+    if run["name"] in TIME_GOALS_S:
+        out["time_goal_s"] = TIME_GOALS_S[run["name"]]
+        out["time_ok"] = run["export_s"] <= TIME_GOALS_S[run["name"]]
+    return out
+
+
+def _subprocess(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--scale-run", *args], capture_output=True, text=True,
+                          cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"scaling run {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fixtures only, no 1M/10M/50M scaling runs")
+    parser.add_argument("--quick", action="store_true", help="fixtures only, no scaling runs")
+    parser.add_argument("--sizes", default=",".join(SCALES), metavar="LIST",
+                        help=f"scaling sizes to run, from {','.join(SCALES)} (default all)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results.json"), metavar="F")
-    parser.add_argument("--scale-run", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--scale-run", nargs=3, metavar=("MODE", "SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if any(s not in SCALES for s in sizes):
+        parser.error(f"--sizes: choose from {','.join(SCALES)}")
     from policy_export.exporter.quiet import quiet_libraries
 
     quiet_libraries()
@@ -137,7 +173,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
+    console = Console(width=200)
     results: dict = {"machine": {"cpus": os.cpu_count()}, "policies": [], "scaling": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -146,13 +182,17 @@ def main(argv=None) -> int:
         for spec in specs:
             results["policies"].append(bench_policy(spec, work / "exports"))
         if not args.quick:
-            for name, hiddens in SCALES.items():
-                spec = scale_spec(name, hiddens, work)
-                proc = subprocess.run([sys.executable, "-m", "benchmarks", "--scale-run", str(spec), str(work / f"x{name}")],
-                                      capture_output=True, text=True, cwd=ROOT)
-                if proc.returncode != 0:
-                    raise SystemExit(f"scaling run {name} failed:\n{proc.stderr[-3000:]}")
-                results["scaling"].append({"name": name, **json.loads(proc.stdout.strip().splitlines()[-1])})
+            for name in sizes:
+                spec = scale_spec(name, SCALES[name], work)
+                out = work / f"x{name}"
+                run = {"name": name, **_subprocess("export", str(spec), str(out)),
+                       **_subprocess("verify", str(spec), str(out))}
+                run.update(goals(run))
+                results["scaling"].append(run)
+                shutil.rmtree(out, ignore_errors=True)
+                console.print(f"{name}: export {run['export_s']:.1f} s, peak {run['peak_rss_mb']:.0f} MB; "
+                              f"verify {run['verify_s']:.1f} s, peak {run['verify_peak_rss_mb']:.0f} MB "
+                              f"(budget {run['memory_budget_mb']:.0f} MB)")
 
     table = Table(title="latency per call (median), ratios", title_justify="left")
     for col in ("policy", "batch", "TF session", "model.onnx", "deterministic", "minimal",
@@ -178,6 +218,26 @@ def main(argv=None) -> int:
         stages.add_row(f"mlp_{s['name']}", f"{s['parameters']:,}", *[f"{s['export_stages_s'].get(n, 0):.2f}" for n in names],
                        f"{s['verify_s']:.1f}", f"{s['peak_rss_mb']:.0f} MB", f"{s['export_dir_mb']:.0f} MB")
     console.print(stages)
+    if results["scaling"]:
+        scale = Table(title="scaling: time and peak memory per size, against the goals", title_justify="left")
+        for col in ("size", "parameters", "weights", "export", "time goal", "export peak RSS", "verify",
+                    "verify peak RSS", "memory budget", "goals met"):
+            scale.add_column(col, justify="right")
+        for s in results["scaling"]:
+            met = s["memory_ok"] and s.get("time_ok", True) and s["verified"] and s["parity_passed"]
+            scale.add_row(s["name"], f"{s['parameters']:,}", f"{s['weights_mb']:.0f} MB", f"{s['export_s']:.1f} s",
+                          f"{s['time_goal_s']:.0f} s" if "time_goal_s" in s else "-", f"{s['peak_rss_mb']:.0f} MB",
+                          f"{s['verify_s']:.1f} s", f"{s['verify_peak_rss_mb']:.0f} MB",
+                          f"{s['memory_budget_mb']:.0f} MB", "yes" if met else "NO")
+        console.print(scale)
+        peaks = Table(title="scaling: peak RSS (MB) of the export process at the end of each stage", title_justify="left")
+        stage_names = list(dict.fromkeys(k for s in results["scaling"] for k in s.get("stage_peak_rss_mb", {})))
+        for col in ("size", *stage_names):
+            peaks.add_column(col, justify="right")
+        for s in results["scaling"]:
+            peaks.add_row(s["name"], *[f"{s.get('stage_peak_rss_mb', {}).get(n, 0):.0f}" for n in stage_names])
+        if stage_names:
+            console.print(peaks)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     console.print(f"wrote {args.json}")
     return 0

@@ -457,6 +457,21 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
     return out
 
 
+class _SessionSampler:
+    """The policy's session as exploration draws from it: the whole graph, or its action head."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.policy.run(feeds)
+
+    def head(self):
+        from policy_export.exporter.tf_runner import tf_head
+
+        return tf_head(self.policy.session, self.policy.inputs, self.policy.outputs)
+
+
 @dataclass
 class _ExploreSetup:
     """The exploration plan, and the session that also scores each format's own samples (export only)."""
@@ -469,13 +484,14 @@ class _ExploreSetup:
         required = {k: v for k, v in golden_in.items() if k in {s.key for s in contract.required_inputs}}
         m = min(DEFAULT_OBSERVATIONS, len(next(iter(required.values()))))
         probe = {k: v[:m] for k, v in required.items()}
-        return cls(policy, ExplorationPlan.make(policy.run, probe, samples, policy.action_space, batch_size, contract))
+        sampler = _SessionSampler(policy)
+        return cls(policy, ExplorationPlan.make(sampler, probe, samples, policy.action_space, batch_size, contract))
 
     def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
         got = self.plan.check(fmt, runner, tolerances, report)
         if self.policy.raw_actions is not None and ACTION_LOGP in got:
-            feeds = self.plan.feeds()
-            logp, keep = logp_of_given_actions(self.policy, feeds, got, self.plan.batch_size)
+            logp, keep = logp_of_given_actions(self.policy, self.plan.feeds, got, self.plan.batch_size,
+                                               self.plan.reference.get(ACTION_DIST_INPUTS))
             # float16 Box actions: the session scores the rounded action, the format's logp is of
             # its unrounded sample; the difference that rounding explains is not an error
             allowance = rounding_allowance(self.policy.action_space, got[ACTION_DIST_INPUTS], got)

@@ -37,7 +37,7 @@ from policy_export.policy.spaces import leaves
 from policy_export.exporter.defaults import (  # noqa: E402,F401 (re-exported)
     DEFAULT_ALPHA, DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS,
 )
-from policy_export.signatures.keys import ACTION_LOGP, EXPLORE, action_key
+from policy_export.signatures.keys import ACTION_DIST_INPUTS, ACTION_LOGP, EXPLORE, action_key
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class ExplorationCheck:
     mean_diff: float
     std_diff: float
     passed: bool
+    drawn_by: str = ""  # how the format drew its samples (see draw): "head" or "network"
 
     def describe(self) -> str:
         return (f"{self.format}/{self.key}: {self.test} p={self.p_value:.3g} < threshold {self.threshold:.3g} "
@@ -74,9 +75,43 @@ def sample_actions(runner: Runner, feeds: Mapping[str, np.ndarray], batch_size: 
     return run_batched(runner, feeds, batch_size, scalars={EXPLORE: np.array(True)})
 
 
+HEAD_BATCH = 8192  # rows per call of an action head (no network: cheap at any model size)
+
+
+def draw(runner, probe: Mapping[str, np.ndarray], per: int, batch_size: int) -> tuple[dict[str, np.ndarray], str]:
+    """``per`` sampled actions for each probe row (row-major, as :func:`repeated_observations`
+    lays them out), and how they were drawn: ``"head"`` or ``"network"``.
+
+    The network is deterministic given its inputs, so running it on a probe observation repeated
+    ``per`` times computes one distribution ``per`` times. The runtime's network therefore runs
+    once per probe (twice, to see that it is deterministic), and its own action head (its
+    sampling ops, cut at ``action_dist_inputs``: :meth:`Runner.head`) draws all samples from that:
+    the same samples a full run would give, at a cost that does not grow with the network. A
+    runtime without a head, a network that is not deterministic, or a head that needs other inputs
+    draws through the whole model instead."""
+    from policy_export.exporter.runner import HeadUnavailable
+
+    head = runner.head() if hasattr(runner, "head") else None
+    if head is not None:
+        feeds = {**probe, EXPLORE: np.array(True)}
+        first, second = runner(feeds), runner(feeds)
+        dist = first.get(ACTION_DIST_INPUTS)
+        if dist is not None and np.array_equal(dist, second.get(ACTION_DIST_INPUTS), equal_nan=True):
+            repeated = np.repeat(dist, per, axis=0)
+            try:
+                out = run_batched(head, {ACTION_DIST_INPUTS: repeated}, HEAD_BATCH, scalars={EXPLORE: np.array(True)})
+            except HeadUnavailable:
+                pass
+            else:
+                out[ACTION_DIST_INPUTS] = repeated
+                return out, "head"
+    rows = len(next(iter(probe.values())))
+    return sample_actions(runner, repeated_observations(probe, rows, rows * per), batch_size), "network"
+
+
 def compare_samples(format_name: str, action_space: gym.Space, observations: int,
                     reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
-                    alpha: float = DEFAULT_ALPHA) -> list[ExplorationCheck]:
+                    alpha: float = DEFAULT_ALPHA, drawn_by: str = "") -> list[ExplorationCheck]:
     """Two-sample tests per observation and action component (see the module docstring)."""
     pending = []
     for i, leaf in enumerate(leaves(action_space)):
@@ -102,7 +137,7 @@ def compare_samples(format_name: str, action_space: gym.Space, observations: int
             statistic, p_value = ks_two_sample(a, b)
         checks.append(ExplorationCheck(
             format_name, name, test, statistic, p_value, threshold, len(a),
-            float(abs(np.mean(a) - np.mean(b))), float(abs(np.std(a) - np.std(b))), p_value >= threshold,
+            float(abs(np.mean(a) - np.mean(b))), float(abs(np.std(a) - np.std(b))), p_value >= threshold, drawn_by,
         ))
     return checks
 
@@ -160,20 +195,37 @@ def given_action_feeds(policy, actions: Mapping[str, np.ndarray]) -> tuple[dict,
     return feeds, keep
 
 
-def logp_of_given_actions(policy, obs_feeds: Mapping[str, np.ndarray], actions: Mapping[str, np.ndarray],
-                          batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The session's ``action_logp`` for a format's sampled ``actions``, and the row mask used."""
+def logp_of_given_actions(policy, obs_feeds, actions: Mapping[str, np.ndarray],
+                          batch_size: int, dist_inputs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The session's ``action_logp`` for a format's sampled ``actions``, and the row mask used.
+
+    With ``dist_inputs`` (the session's own, one row per action), the session is fed those at its
+    ``action_dist_inputs`` tensor instead of running the network on ``obs_feeds``; when the
+    log-probability needs more than that, the network runs after all. ``obs_feeds``: the
+    observations (a mapping, or a callable making it, called only when the network runs)."""
+    import tensorflow as tf
+
     feeds_all, keep = given_action_feeds(policy, actions)
+    if dist_inputs is not None and ACTION_DIST_INPUTS in policy.outputs:
+        try:
+            return _score(policy, {policy.outputs[ACTION_DIST_INPUTS]: dist_inputs}, feeds_all, len(keep), HEAD_BATCH), keep
+        except tf.errors.InvalidArgumentError:
+            pass
+    obs_feeds = obs_feeds() if callable(obs_feeds) else obs_feeds
+    obs = {policy.inputs[k]: v for k, v in obs_feeds.items()}
+    return _score(policy, obs, feeds_all, len(keep), batch_size), keep
+
+
+def _score(policy, feeds: Mapping, actions: Mapping, n: int, batch_size: int) -> np.ndarray:
     out = []
-    n = len(keep)
     for start in range(0, n, batch_size):
         sl = slice(start, start + batch_size)
-        feed_dict = {policy.inputs[k]: v[sl] for k, v in obs_feeds.items()}
-        feed_dict.update({t: v[sl] for t, v in feeds_all.items()})
+        feed_dict = {t: v[sl] for t, v in feeds.items()}
+        feed_dict.update({t: v[sl] for t, v in actions.items()})
         if EXPLORE in policy.inputs:  # score them as samples (some policies report 0 when not exploring)
             feed_dict[policy.inputs[EXPLORE]] = True
         out.append(policy.session.run(policy.outputs[ACTION_LOGP], feed_dict))
-    return np.concatenate(out), keep
+    return np.concatenate(out)
 
 
 def rounding_allowance(action_space: gym.Space, dist_inputs: np.ndarray, actions: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -216,4 +268,5 @@ def summarize(checks: Sequence[ExplorationCheck]) -> dict[str, Any]:
         return {"tests": 0}
     worst = min(checks, key=lambda c: c.p_value)
     return {"tests": len(checks), "failed": sum(not c.passed for c in checks), "threshold": worst.threshold,
-            "min_p_value": worst.p_value, "worst": worst.key, "samples_per_runtime": worst.samples}
+            "min_p_value": worst.p_value, "worst": worst.key, "samples_per_runtime": worst.samples,
+            "drawn_by": {c.format: c.drawn_by for c in checks}}

@@ -295,3 +295,51 @@ def names_read(graph) -> set[str]:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 names |= names_read(sub)
     return names
+
+
+def head_model(model, source: str):
+    """``model`` cut at tensor ``source``: a model taking ``source`` (and ``explore``) that
+    computes the actions and ``action_logp``/``action_prob`` from it; ``None`` when those read
+    any other graph input, or a weight kept in external data."""
+    from policy_export.signatures.keys import ACTION_LOGP, ACTION_PROB, EXPLORE, is_action
+
+    graph = model.graph
+    wanted = [o for o in graph.output if is_action(o.name) or o.name in (ACTION_LOGP, ACTION_PROB)]
+    declared = {o.name: o for o in graph.output}
+    if source not in declared or not any(is_action(o.name) for o in wanted):
+        return None
+    producer = {o: n for n in graph.node for o in n.output}
+    need: set[str] = set()
+    stack = [o.name for o in wanted]
+    while stack:
+        name = stack.pop()
+        if not name or name in need:
+            continue
+        need.add(name)
+        node = producer.get(name)
+        if node is None or name == source:
+            continue
+        stack.extend(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                stack.extend(names_read(sub))
+    initializers = [i for i in graph.initializer if i.name in need]
+    initialized = {i.name for i in initializers}
+    if any(i.data_location == onnx.TensorProto.EXTERNAL for i in initializers):
+        return None
+    graph_inputs = {i.name: i for i in graph.input}
+    reads = {n for n in need if n in graph_inputs and n not in initialized} | (
+        {EXPLORE} if EXPLORE in need and EXPLORE in graph_inputs else set())
+    if reads - {EXPLORE}:
+        return None
+    cut = onnx.ModelProto()
+    cut.ir_version = model.ir_version
+    cut.opset_import.extend(model.opset_import)
+    g = cut.graph
+    g.name = f"{graph.name}_head"
+    g.input.append(declared[source])
+    g.input.extend(graph_inputs[n] for n in sorted(reads))
+    g.initializer.extend(i for i in initializers if i.name != EXPLORE)
+    g.node.extend(n for n in graph.node if any(o in need for o in n.output) and source not in n.output)
+    g.output.extend(wanted)
+    return cut

@@ -309,6 +309,7 @@ class OnnxRunner(Runner):
 
     def __init__(self, path: Path, device: DevicePlan, threads: int | None = None, contract: Contract | None = None):
         check_file(path)
+        self.path = Path(path)
         self.label = f"ONNX model {path}"
         self.contract = contract
         self.session = inference_session(path, list(device.ort_providers), threads,
@@ -331,6 +332,28 @@ class OnnxRunner(Runner):
 
     def device_info(self) -> dict[str, Any]:
         return {"onnxruntime_providers_used": list(self.providers)}
+
+    def head(self):
+        """The model cut at ``action_dist_inputs`` (:func:`exporter.onnx_convert.head_model`), in its
+        own small ONNX Runtime session; ``None`` when it cannot be cut there."""
+        from policy_export.exporter.onnx_convert import head_model
+        from policy_export.signatures.keys import ACTION_DIST_INPUTS
+
+        if ACTION_DIST_INPUTS not in self.outputs:
+            return None
+        model = onnx.load(str(self.path), load_external_data=False)
+        cut = head_model(model, ACTION_DIST_INPUTS)
+        del model
+        if cut is None:
+            return None
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(cut.SerializeToString(), options, providers=self.providers,
+                                       provider_options=[self.provider_options.get(p, {}) for p in self.providers])
+        names = [o.name for o in session.get_outputs()]
+        return lambda feeds: dict(zip(names, session.run(names, {k: np.asarray(v) for k, v in feeds.items()})))
 
     def _close(self) -> None:
         del self.session

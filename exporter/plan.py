@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.exporter import manifest
-from policy_export.exporter.exploration import compare_samples, repeated_observations, sample_actions
+from policy_export.exporter.exploration import compare_samples, draw, repeated_observations
 from policy_export.exporter.parity import ParityReport, Runner, Tolerances, compare, layout_record
 from policy_export.exporter.stepped import compare_stepped, run_stepped
 from policy_export.policy.errors import ExportError
@@ -57,6 +57,7 @@ class ExplorationPlan:
     action_space: gym.Space
     batch_size: int
     contract: Contract | None = None
+    drawn_by: str = ""  # how the session's draws were made (exploration.draw): "head" or "network"
 
     @property
     def observations(self) -> int:
@@ -72,7 +73,7 @@ class ExplorationPlan:
         """Sample the reference draws with ``run`` (the session) for ``probe``: ``samples`` draws in all."""
         per = math.ceil(samples / len(next(iter(probe.values()))))
         plan = cls(dict(probe), per, {}, action_space, batch_size, contract)
-        drawn = sample_actions(run, plan.feeds(), batch_size)
+        drawn, plan.drawn_by = draw(run, plan.probe, per, batch_size)
         plan.reference = {k: v for k, v in drawn.items() if k in plan.compared_keys(drawn)}
         return plan
 
@@ -83,7 +84,7 @@ class ExplorationPlan:
     def check(self, fmt: str, runner: Runner, tolerances: Tolerances, report: ParityReport) -> dict[str, np.ndarray]:
         """Sample with ``runner`` and add the two-sample tests (and the numeric comparison of
         ``action_dist_inputs``) to ``report``; returns the runner's draws."""
-        got = sample_actions(runner, self.feeds(), self.batch_size)
+        got, how = draw(runner, self.probe, self.draws_per_observation, self.batch_size)
         label = f"{fmt} (explore)"
         actions = [k for k in self.reference if is_action(k)]
         bad = [r for r in (layout_record(label, k, self.reference[k], got.get(k), tolerances, self.contract)
@@ -91,7 +92,8 @@ class ExplorationPlan:
         if bad:  # a missing output or another dtype or shape: no distribution test can be made
             report.records.extend(bad)
             return got
-        report.exploration.extend(compare_samples(fmt, self.action_space, self.observations, self.reference, got))
+        report.exploration.extend(compare_samples(fmt, self.action_space, self.observations, self.reference, got,
+                                                  drawn_by=how))
         if ACTION_DIST_INPUTS in self.reference:
             report.records.extend(compare(label, self.reference, got, tolerances, [ACTION_DIST_INPUTS], self.contract))
         return got

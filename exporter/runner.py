@@ -23,6 +23,10 @@ from policy_export.policy.errors import InputError
 from policy_export.signatures.contract import Contract
 
 
+class HeadUnavailable(Exception):
+    """The action head reads more than the distribution inputs and ``explore``."""
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """An input or output as the runtime declares it; ``None`` for a dimension or dtype it leaves open."""
@@ -79,6 +83,14 @@ class Runner:
                 except ValueError as e:
                     raise InputError(f"{self.label}: input {e}") from None
         return arrays
+
+    def head(self):
+        """The runtime's own action head: a callable taking ``action_dist_inputs`` and ``explore``
+        and returning the sampled actions (and ``action_logp``), run without the network; ``None``
+        when the model cannot be cut there. It raises :class:`HeadUnavailable` when it turns out to
+        need other inputs. Exploration parity draws through it, so that its cost does not grow with
+        the network (see :func:`exporter.exploration.draw`)."""
+        return None
 
     def device_info(self) -> dict[str, Any]:
         """What the runtime runs on, for reports (e.g. ONNX Runtime's providers)."""

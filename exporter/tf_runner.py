@@ -19,12 +19,13 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.exporter.devices import DevicePlan
-from policy_export.exporter.runner import Runner, TensorMeta
+from policy_export.exporter.runner import HeadUnavailable, Runner, TensorMeta
 from policy_export.exporter.trust import check_graph_def, check_saved_model
 from policy_export.policy.errors import ExportError
 from policy_export.policy.graph import session_config
 from policy_export.signatures.builder import SERVING_KEY, find_signature
 from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, is_action
 
 tf1 = tf.compat.v1
 SERVING_TAG = tf1.saved_model.tag_constants.SERVING
@@ -130,6 +131,9 @@ class TFGraphRunner(Runner):
         pruned = frozenset(tensor_names["inputs"]) - set(inputs)
         return cls(graph, session, inputs, outputs, f"frozen graph {path}", accepted=pruned, contract=contract)
 
+    def head(self):
+        return tf_head(self.session, self.input_tensors, self.output_tensors)
+
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed_dict = {self.input_tensors[k]: v for k, v in feeds.items() if k in self.input_tensors}
         values = self.session.run(self.output_tensors, feed_dict)
@@ -137,3 +141,22 @@ class TFGraphRunner(Runner):
 
     def _close(self) -> None:
         self.session.close()
+
+
+def tf_head(session, inputs: Mapping[str, tf.Tensor], outputs: Mapping[str, tf.Tensor]):
+    """The action head of a TF graph: feed the ``action_dist_inputs`` tensor itself (a session may
+    be fed any tensor) and ``explore``, fetch the actions and ``action_logp``/``action_prob``.
+    ``None`` without those tensors; :class:`HeadUnavailable` when the actions need other inputs."""
+    dist, explore = outputs.get(ACTION_DIST_INPUTS), inputs.get(EXPLORE)
+    fetch = {k: t for k, t in outputs.items() if is_action(k) or k in (ACTION_LOGP, ACTION_PROB)}
+    if dist is None or explore is None or not any(is_action(k) for k in fetch):
+        return None
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            values = session.run(fetch, {dist: feeds[ACTION_DIST_INPUTS], explore: feeds[EXPLORE]})
+        except tf.errors.InvalidArgumentError as e:  # a placeholder the head needs was not fed
+            raise HeadUnavailable(str(e).splitlines()[0]) from None
+        return {k: np.asarray(v) for k, v in values.items()}
+
+    return run

@@ -124,3 +124,58 @@ def test_the_cli_takes_the_threshold(tmp_path):
     assert doc["formats"]["onnx"]["files"] == ["model.onnx", "model.onnx.data"]
     assert cli.main(["export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "y"),
                      "--external-data-threshold", "-1"]) == 2
+
+
+def test_exploration_draws_through_the_action_head_as_a_full_run_would(exports, monkeypatch):
+    """ONNX Runtime seeds its random ops: the head, fed the network's output once per probe,
+    returns exactly the samples the whole model returns for the repeated probes."""
+    from policy_export.exporter import exploration
+    from policy_export.exporter import formats
+    from policy_export.exporter.devices import plan_devices
+
+    result, out = exports("cartpole_mlp")
+    doc = json.loads((out / "manifest.json").read_text())
+    probe = {"observations": np.array([[0.1, 0.2, -0.1, 0.3], [1.0, -1.0, 0.5, 0.0]], np.float32)}
+    monkeypatch.setattr(exploration, "HEAD_BATCH", 256)  # the same calls as the full run makes
+    fmt = formats.get("onnx")
+    with fmt.open(out / fmt.path, doc, plan_devices("cpu")) as runner:
+        drawn, how = exploration.draw(runner, probe, 500, 256)
+    with fmt.open(out / fmt.path, doc, plan_devices("cpu")) as runner:
+        full = exploration.sample_actions(runner, exploration.repeated_observations(probe, 2, 1000), 256)
+    assert how == "head"
+    np.testing.assert_array_equal(drawn["actions_0"], full["actions_0"])
+    np.testing.assert_allclose(drawn["action_logp"], full["action_logp"], atol=1e-6)
+    assert set(np.unique(drawn["actions_0"])) == {0, 1}  # actually sampled, not the argmax
+
+
+def test_a_head_that_needs_the_observations_draws_through_the_network(tmp_path):
+    import gymnasium as gym
+    import tensorflow as tf
+
+    from policy_export.policy import TFPolicy
+
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        obs = tf1.placeholder(tf.float32, (None, 3), name="obs")
+        explore = tf1.placeholder_with_default(False, (), name="explore")
+        w = tf1.get_variable("w", initializer=np.linspace(-1, 1, 9, dtype=np.float32).reshape(3, 3))
+        logits = tf.identity(tf.matmul(obs, w), name="logits")
+        # the sampler reads the observations again, beside the distribution inputs
+        sampled = tf.squeeze(tf.random.categorical(logits + 0.0 * tf.reduce_sum(obs, 1, keepdims=True), 1), 1)
+        action = tf.identity(tf.cond(explore, lambda: sampled, lambda: tf.argmax(logits, 1)), name="action")
+        sess = tf1.Session(graph=graph)
+        sess.run(tf1.global_variables_initializer())
+    policy = TFPolicy(gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(3), sess,
+                      observations=obs, sampled_action=action, action_dist_inputs=logits, explore=explore)
+    result = export_policy(policy, tmp_path / "x", formats=["saved_model", "onnx"], samples=32, device="cpu",
+                           explore_samples=2000)
+    assert result.parity.passed and len(result.parity.exploration) == 2 * 4
+    assert {c.drawn_by for c in result.parity.exploration} == {"network"}
+    assert verify_export(tmp_path / "x", device="cpu").passed
+
+
+def test_spec_policies_draw_through_their_heads_in_every_format(exports):
+    result, _ = exports("pendulum_mlp")
+    assert result.manifest["parity"]["exploration"]["drawn_by"] == {
+        "saved_model": "head", "frozen_graph": "head", "onnx": "head"}

@@ -80,6 +80,23 @@ def test_exploration_parity_states_its_tests_and_passes(name, kinds, exports):
     assert summary["tests"] == len(checks) and summary["failed"] == 0
 
 
+def skew_sampled_outputs(monkeypatch, change):
+    """Make ONNX Runtime's sampled outputs pass through ``change``: a runner called with ``explore``
+    on, and its action head (which exploration parity draws through)."""
+    real_call, real_head = onnx_model.OnnxRunner.__call__, onnx_model.OnnxRunner.head
+
+    def call(self, feeds):
+        out = real_call(self, feeds)
+        return change(out) if bool(np.asarray(feeds.get("explore", False))) else out
+
+    def head(self):
+        run = real_head(self)
+        return None if run is None else (lambda feeds: change(run(feeds)))
+
+    monkeypatch.setattr(onnx_model.OnnxRunner, "__call__", call)
+    monkeypatch.setattr(onnx_model.OnnxRunner, "head", head)
+
+
 @pytest.mark.parametrize("name, corrupt", [
     ("cartpole_mlp", lambda a: np.where(np.arange(len(a)) % 5 == 0, 1 - a, a)),  # flip 20% of choices
     # halve the spread and shift it (the trained policy's samples often sit on the bounds, where a
@@ -87,15 +104,11 @@ def test_exploration_parity_states_its_tests_and_passes(name, kinds, exports):
     ("pendulum_mlp", lambda a: np.clip(a * 0.5 + 0.3, -2, 2).astype(a.dtype)),
 ])
 def test_exploration_check_catches_a_different_distribution(name, corrupt, policies, tmp_path, monkeypatch):
-    real = onnx_model.OnnxRunner.__call__
-
-    def skewed(self, feeds):
-        out = real(self, feeds)
-        if bool(np.asarray(feeds.get("explore", False))):
-            out["actions_0"] = corrupt(out["actions_0"])
+    def skewed(out):
+        out["actions_0"] = corrupt(out["actions_0"])
         return out
 
-    monkeypatch.setattr(onnx_model.OnnxRunner, "__call__", skewed)
+    skew_sampled_outputs(monkeypatch, skewed)
     with pytest.raises(ParityFailedError) as info:
         export_policy(policies(name), tmp_path / "x", formats=["onnx"], samples=64, device="cpu")
     failed = info.value.report.failures()
@@ -229,15 +242,11 @@ def test_float16_box_actions_pass_exploration_parity(tmp_path):
 
 
 def test_float16_logp_check_still_catches_a_wrong_logp(tmp_path, monkeypatch):
-    real = onnx_model.OnnxRunner.__call__
-
-    def off(self, feeds):
-        out = real(self, feeds)
-        if bool(np.asarray(feeds.get("explore", False))):
-            out["action_logp"] = out["action_logp"] + np.float32(0.01)  # far beyond what rounding explains
+    def off(out):
+        out["action_logp"] = out["action_logp"] + np.float32(0.01)  # far beyond what rounding explains
         return out
 
-    monkeypatch.setattr(onnx_model.OnnxRunner, "__call__", off)
+    skew_sampled_outputs(monkeypatch, off)
     policy = TFPolicy.from_spec(spec_from_json(F16_SPEC))
     with pytest.raises(ParityFailedError) as info:
         export_policy(policy, tmp_path / "f16", formats=["onnx"], samples=200, device="cpu")
