@@ -41,6 +41,7 @@ from policy_export.exporter.plan import (
     GOLDEN_INPUTS, GOLDEN_OUTPUTS, ExplorationPlan, ParityPlan, SteppedPlan, load_plan, write_plan,
 )
 from policy_export.exporter.plan import manifest_record as parity_manifest_record
+from policy_export.exporter.progress import SILENT, Counted, Progress
 from policy_export.exporter.staging import check_target, staged_directory
 from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, run_stepped, run_training_graph, stepped_inputs,
@@ -106,10 +107,12 @@ class ExportResult:
 
 
 @contextlib.contextmanager
-def _stage(timings: dict[str, float], name: str):
+def _stage(timings: dict[str, float], name: str, progress: Progress = SILENT, total: int | None = None):
+    """Time the stage ``name`` into ``timings`` and report it to ``progress`` (yields its task)."""
     start = time.perf_counter()
     try:
-        yield
+        with progress.stage(name, total) as task:
+            yield task
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
@@ -152,6 +155,7 @@ def export_policy(
     stepped_steps: int = DEFAULT_STEPS,
     source: Mapping[str, Any] | None = None,
     external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
@@ -162,9 +166,11 @@ def export_policy(
     NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
     get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
     ONNX models whose weights exceed ``external_data_threshold`` bytes keep them in a ``.data``
-    file beside the model (ONNX external data). ``source`` is recorded in the manifest (e.g. what a converted model came from). The parity
+    file beside the model (ONNX external data). ``source`` is recorded in the manifest (e.g. what
+    a converted model came from). The parity
     plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
-    ``parity/`` so that :func:`verify_export` replays it.
+    ``parity/`` so that :func:`verify_export` replays it. ``progress`` (a
+    :class:`exporter.progress.Progress`; default silent) is told each stage as it runs.
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.
@@ -173,6 +179,7 @@ def export_policy(
         ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
     """
     explicit = formats is not None
+    progress = progress or SILENT
     formats = resolve_formats(formats)
     check_opset(opset)
     if samples < 1:
@@ -200,38 +207,48 @@ def export_policy(
     with _disk_errors(out), staged_directory(out, overwrite) as stage:
         records: dict[str, FormatRecord] = {}
         if any(f.capabilities.needs_frozen_graph for f in chosen):
-            with _stage(timings, "freeze"):
+            with _stage(timings, "freeze", progress):
                 ctx.frozen_graph_def()
         for fmt in chosen:
             log.info("writing %s", fmt.name)
-            with _stage(timings, f"write {fmt.name}"):
+            with _stage(timings, f"write {fmt.name}", progress):
                 records[fmt.name] = fmt.write(ctx, stage / fmt.path)
         ctx.release()  # the frozen graph and the converted models hold weights no later stage needs
         gc.collect()
         parity_start = time.perf_counter()
-        golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
-        parity_plan = ParityPlan(golden_in, _reference_outputs(policy, golden_in, batch_size))
+        explores = explore_samples > 0 and EXPLORE in signature.inputs
+        steps = policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0
+        session_rows = (samples * (2 if policy.model_io is not None else 1)
+                        + (_explore_rows(samples, explore_samples) if explores else 0)
+                        + (stepped_steps * DEFAULT_SEQUENCES if steps else 0))
+        with progress.stage("parity session", session_rows) as task:  # the reference: the TF session's outputs
+            run = Counted(policy.run, task)
+            golden_in = sample_inputs(policy.observation_space, policy.action_space, signature.contract, samples, seed)
+            parity_plan = ParityPlan(golden_in, _reference_outputs(policy, golden_in, batch_size, run))
+            explore = None
+            if explores:
+                explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size, run)
+                parity_plan.exploration = explore.plan
+            if steps:
+                parity_plan.stepped = _stepped_plan(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES,
+                                                    seed, run)
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
-        explore = None
-        if explore_samples > 0 and EXPLORE in signature.inputs:
-            explore = _ExploreSetup.make(policy, golden_in, signature.contract, explore_samples, batch_size)
-            parity_plan.exploration = explore.plan
-        if policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0:
-            parity_plan.stepped = _stepped_plan(policy, signature.contract, stepped_steps, DEFAULT_SEQUENCES, seed)
         info = {k: r.details for k, r in records.items()}
-        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore, info)
+        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore, info, progress)
         view = {"tensor_names": signature.tensor_names(), "contract": signature.contract.to_json(), "formats": info}
         replay.check_formats(stage, formats, view, plan, checks, report)
         timings["parity"] = time.perf_counter() - parity_start
-        _write_golden(stage, parity_plan, report)
-        doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
-        doc["parity"]["plan"] = parity_manifest_record(parity_plan)
-        if source:
-            doc = {**doc, "source": dict(source)}
-            doc["files"] = manifest.file_records(stage)
-        manifest.write_manifest(stage, doc)
+        with _stage(timings, "write manifest", progress):
+            _write_golden(stage, parity_plan, report)
+            doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
+            doc["parity"]["plan"] = parity_manifest_record(parity_plan)
+            if source:
+                doc = {**doc, "source": dict(source)}
+                doc["files"] = manifest.file_records(stage)
+            manifest.write_manifest(stage, doc)
         if not report.passed:
-            _localize_failed(stage, ctx, formats, signature, parity_plan, tolerances, report)
+            with progress.stage("localize"):
+                _localize_failed(stage, ctx, formats, signature, parity_plan, tolerances, report)
             where = [e["describe"] for e in report.localization if e.get("describe")]
             raise ParityFailedError(
                 "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures())
@@ -259,14 +276,16 @@ def _localize_failed(stage: Path, ctx: ExportContext, formats, signature, parity
 
 
 def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto", **options: Any) -> ExportResult:
-    """Load a spec (directory or ``policy.json``), build its policy and :func:`export_policy` it."""
+    """Load a spec (directory or ``policy.json``), build its policy and :func:`export_policy` it
+    (``options``, ``progress`` included, go to :func:`export_policy`)."""
     from policy_export.policy.spec import load_spec
     from policy_export.policy.tf_policy import TFPolicy
 
     plan = plan_devices(device)
     check_target(Path(out).absolute(), options.get("overwrite", False))
     start = time.perf_counter()
-    policy = TFPolicy.from_spec(load_spec(spec_path), device=plan.tf_device)
+    with (options.get("progress") or SILENT).stage("graph build"):
+        policy = TFPolicy.from_spec(load_spec(spec_path), device=plan.tf_device)
     build = time.perf_counter() - start
     try:
         result = export_policy(policy, out, device=plan, **options)
@@ -280,7 +299,7 @@ def verify_export(
     out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
     expect_manifest_sha256: str | None = None, candidates: Mapping[str, str | Path] | None = None,
-    localize: bool = False,
+    localize: bool = False, progress: Progress | None = None,
 ) -> VerifyResult:
     """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
@@ -300,16 +319,21 @@ def verify_export(
     intermediate tensor it shares with the export's frozen graph on the golden inputs and name the
     first that diverges (``report.localization``; see :mod:`exporter.localize`).
 
+    ``progress`` (a :class:`exporter.progress.Progress`; default silent) is told each stage as it
+    runs: the file check, the plan's loading, each format's parity, fresh samples, localisation.
+
     Raises:
         ExportError: ``out`` is not an export.
         InputError: ``expect_manifest_sha256`` is not 64 hex digits, a tolerance names an unknown
             output, or a candidate's format is not one of the export's or its path does not exist.
     """
     out = Path(out)
+    progress = progress or SILENT
     pin = _check_pin(expect_manifest_sha256)
     doc = manifest.read_manifest(out)
     candidates = _check_candidates(candidates, doc)
-    check = check_export_files(out, doc)
+    with progress.stage("check files"):
+        check = check_export_files(out, doc)
     problems = list(check.problems)
     digest = manifest.manifest_sha256(out) if pin is not None else None
     if digest != pin:
@@ -327,10 +351,12 @@ def verify_export(
         report.errors["parity"] = "golden files not loaded: they failed the hash check"
         return VerifyResult(out, problems, report)
     try:
-        checks = _stored_replay(out, doc, check, contract, tolerances, batch_size)
+        with progress.stage("load plan"):
+            checks = _stored_replay(out, doc, check, contract, tolerances, batch_size)
     except (ExportError, StopIteration, TypeError) as e:
         report.errors["parity"] = f"the parity plan cannot be used: {e}"
         return VerifyResult(out, problems, report)
+    checks.progress = progress
     report.samples = len(next(iter(checks.plan.golden_inputs.values())))
     notes = checks.plan.describe()
     if candidates:
@@ -343,7 +369,9 @@ def verify_export(
     if samples > 0 and not report.errors:
         notes.append(_fresh_samples(out, doc, plan, samples, seed, checks, report, candidates))
     if localize:
-        notes.append(_localize_verified(out, doc, check, candidates, checks.plan.golden_inputs, tolerances, report))
+        with progress.stage("localize"):
+            notes.append(_localize_verified(out, doc, check, candidates, checks.plan.golden_inputs, tolerances,
+                                            report))
     return VerifyResult(out, problems, report, notes)
 
 
@@ -401,8 +429,10 @@ def _fresh_samples(out: Path, doc: Mapping[str, Any], plan: DevicePlan, samples:
     else:
         others = [replay.Opened(f.name, f, out / f.path) for f in registry.with_capability("signature", doc["formats"])
                   if f is not ref]
-    feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(out / manifest.MANIFEST))
-    replay.check_fresh_samples(feeds, replay.Opened(ref.name, ref, out / ref.path), others, doc, plan, checks, report)
+    with checks.progress.stage("fresh samples", samples * (1 + len(others))) as task:
+        feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(out / manifest.MANIFEST))
+        replay.check_fresh_samples(feeds, replay.Opened(ref.name, ref, out / ref.path), others, doc, plan, checks,
+                                   report, task)
     return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref.name}"
 
 
@@ -438,8 +468,15 @@ def _untrusted_formats(out: Path, doc: Mapping[str, Any], check: manifest.FileCh
 # ---------------------------------------------------------------------------- internals
 
 
-def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
-    out = run_batched(policy.run, feeds, batch_size)
+def _explore_rows(samples: int, explore_samples: int) -> int:
+    """How many rows exploration parity runs per runtime (the probe observations times their draws)."""
+    m = min(DEFAULT_OBSERVATIONS, samples)
+    return m * -(-explore_samples // m)
+
+
+def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int, run=None) -> dict[str, np.ndarray]:
+    """The session's outputs for ``feeds`` (``run``: the session's runner, e.g. one that counts rows)."""
+    out = run_batched(run or policy.run, feeds, batch_size)
     if policy.model_io is not None:
         model_in, model_out = policy.model_io
         names = [t.name.split(":")[0] for t in policy.model.inputs]
@@ -453,7 +490,7 @@ def _reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int)
             outs = {f"{MODEL_IO_PREFIX}{k}": v for k, v in zip(out_keys, values[len(model_in):])}
             return {**ins, **outs}
 
-        out.update(run_batched(run_io, feeds, batch_size))
+        out.update(run_batched(Counted(run_io, run.task) if isinstance(run, Counted) else run_io, feeds, batch_size))
     return out
 
 
@@ -480,11 +517,13 @@ class _ExploreSetup:
     plan: ExplorationPlan
 
     @classmethod
-    def make(cls, policy, golden_in, contract: Contract, samples: int, batch_size: int) -> "_ExploreSetup":
+    def make(cls, policy, golden_in, contract: Contract, samples: int, batch_size: int, run=None) -> "_ExploreSetup":
         required = {k: v for k, v in golden_in.items() if k in {s.key for s in contract.required_inputs}}
         m = min(DEFAULT_OBSERVATIONS, len(next(iter(required.values()))))
         probe = {k: v[:m] for k, v in required.items()}
         sampler = _SessionSampler(policy)
+        if isinstance(run, Counted):  # count its rows on the session's progress bar
+            sampler = Counted(sampler, run.task)
         return cls(policy, ExplorationPlan.make(sampler, probe, samples, policy.action_space, batch_size, contract))
 
     def check(self, fmt: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
@@ -501,11 +540,11 @@ class _ExploreSetup:
                                                  allow_non_finite=tolerances.allows_non_finite(ACTION_LOGP)))
 
 
-def _stepped_plan(policy, contract: Contract, steps: int, sequences: int, seed: int) -> SteppedPlan:
+def _stepped_plan(policy, contract: Contract, steps: int, sequences: int, seed: int, run=None) -> SteppedPlan:
     """Fixed step sequences and the session's stepped outputs (serving and training-time graphs)."""
     inputs = stepped_inputs(policy, contract, steps, sequences, seed)
     initial = policy.get_initial_state()
-    serving = run_stepped(policy.run, inputs, initial)
+    serving = run_stepped(run or policy.run, inputs, initial)
     training = run_training_graph(policy, inputs, policy.sequence_graph_chunk)
     return SteppedPlan(inputs, initial, serving, training)
 

@@ -52,6 +52,12 @@ def _tf32_option(p: argparse.ArgumentParser) -> None:
                         "the default tolerance then becomes at least 1e-2")
 
 
+def _quiet_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (by default each stage is shown with its elapsed time: a live "
+                        "display on a terminal, one line per stage otherwise)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
     parser.add_argument("--debug", action="store_true", help="show library logs and tracebacks")
@@ -78,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
                          f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
     _parity_options(ex, D.DEFAULT_SAMPLES)
+    _quiet_option(ex)
 
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
     ve.add_argument("out", metavar="OUT", help="export directory")
@@ -91,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
                          "export's stored parity plan instead of the export's own formats; repeatable")
     _parity_options(ve, 0)
+    _quiet_option(ve)
 
     ins = sub.add_parser("inspect", parents=[common],
                          help="list the inputs and outputs of an export, a .onnx file or a SavedModel")
@@ -126,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--dist-inputs", default=None, metavar="KEY",
                     help="Keras base models: the output holding the action distribution inputs "
                          "(default: the one output of the width the action space needs)")
+    _quiet_option(co)
 
     ro = sub.add_parser("rollout", parents=[common],
                         help="play an environment with the export's TF and ONNX runtimes and compare their actions")
@@ -150,20 +159,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
+    from policy_export.exporter.progress import SILENT, for_terminal
+
     width = None if sys.stdout.isatty() else 200  # CI logs: no wrapping or clipping of the parity table
     out, err = Console(width=width), Console(stderr=True)
+    # progress of the long commands goes to stderr; stdout (tables, JSON) is unchanged by it
+    args.progress = (for_terminal(args.quiet, console=err) if args.command in ("export", "verify", "convert")
+                     else SILENT)
     try:
         commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
                     "inspect": _cmd_inspect, "diff": _cmd_diff, "convert": _cmd_convert}
         with signals_as_interrupts():  # SIGTERM and SIGHUP clean up like Ctrl-C
             return commands[args.command](args, out)
     except KeyboardInterrupt as e:
+        args.progress.close(failed=True)
         how = f"by {e}" if isinstance(e, Interrupted) else "by SIGINT"
         print(f"{PROG}: interrupted {how}; no partial export was left behind", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # the one place every error is turned into an exit code
         from policy_export.policy.errors import PolicyExportError
 
+        args.progress.close(failed=True)  # a live display is cleared: the error line stands alone
         if args.debug:
             err.print_exception()
         if isinstance(e, PolicyExportError):
@@ -177,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        args.progress.close()
 
 
 def _tolerances(args, base=None):
@@ -323,11 +341,13 @@ def _cmd_export(args, console) -> int:
                              samples=args.samples, seed=args.seed, tolerances=tolerances,
                              overwrite=args.overwrite, explore_samples=args.explore_samples,
                              inputs_as_nchw=args.inputs_as_nchw,
-                             external_data_threshold=args.external_data_threshold)
+                             external_data_threshold=args.external_data_threshold, progress=args.progress)
     except ParityFailedError as e:
+        args.progress.close(failed=True)
         if e.report is not None:
             _emit_reports(args, e.report, "export")
         raise
+    args.progress.close()
     _emit_reports(args, result.parity, "export", extra={"path": str(result.path)})
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples vs the TF session "
                                               f"({result.parity.devices.get('tf_device')}, "
@@ -365,7 +385,8 @@ def _cmd_verify(args, console) -> int:
 
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args),
                            tolerances=tolerances, expect_manifest_sha256=args.expect_manifest_sha256,
-                           candidates=candidates, localize=args.localize)
+                           candidates=candidates, localize=args.localize, progress=args.progress)
+    args.progress.close()
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes})
     devices = result.parity.devices
@@ -500,7 +521,9 @@ def _cmd_convert(args, console) -> int:
 
     result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
                                  device=_device_plan(args), opset=args.opset, samples=args.samples, overwrite=args.overwrite,
-                                 state_pairs=pairs or None, dist_inputs=args.dist_inputs, **spaces)
+                                 state_pairs=pairs or None, dist_inputs=args.dist_inputs, progress=args.progress,
+                                 **spaces)
+    args.progress.close()
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
         console.print(f"  {old} -> {new}")

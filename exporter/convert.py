@@ -485,7 +485,8 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
     """Convert the SavedModel at ``path`` into a full export at ``out`` (see the module docstring).
 
     ``observation_space``/``action_space`` are the spaces the graph sees (default: inferred).
-    ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``...).
+    ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``,
+    ``progress``...); loading the SavedModel is a progress stage of its own.
 
     Returns:
         The :class:`exporter.ExportResult`; its manifest's ``source`` records the conversion.
@@ -506,8 +507,11 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
         raise InputError("--dist-inputs applies to Keras base models only; this SavedModel has 'actions' outputs")
     check_target(Path(out).absolute(), options.get("overwrite", False))
     formats = options.pop("formats", None)  # a format the converted policy cannot have is refused by name
-    policy, record = load_saved_model_policy(path, signature_key, tag, device, state_pairs,
-                                             observation_space, action_space)
+    from policy_export.exporter.progress import SILENT
+
+    with (options.get("progress") or SILENT).stage("load SavedModel"):
+        policy, record = load_saved_model_policy(path, signature_key, tag, device, state_pairs,
+                                                 observation_space, action_space)
     source = {"converted_from": str(Path(path).absolute()), "signature": signature_key, "tag": tag, **record}
     if EXPLORE in record:
         log.info("the hidden exploration switch %s (default %s) is the 'explore' input, default false",

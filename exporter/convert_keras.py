@@ -313,7 +313,8 @@ def convert_keras_model(path: str | Path, out: str | Path, *, action_space: gym.
                         **options: Any):
     """Convert the Keras base-model SavedModel at ``path`` into a full export at ``out``.
 
-    ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``...);
+    ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``,
+    ``progress``...);
     the Keras formats are left out (the model is served through the policy graph).
 
     Returns:
@@ -332,8 +333,12 @@ def convert_keras_model(path: str | Path, out: str | Path, *, action_space: gym.
                          f"'{{\"type\": \"Discrete\", \"n\": 2}}'")
     check_target(Path(out).absolute(), options.get("overwrite", False))
     formats = options.pop("formats", None)  # a format the converted policy cannot have is refused by name
-    policy, mapping = load_keras_policy(path, action_space, observation_space=observation_space,
-                                        dist_inputs=dist_inputs, signature_key=signature_key, tag=tag, device=device)
+    from policy_export.exporter.progress import SILENT
+
+    with (options.get("progress") or SILENT).stage("load SavedModel"):
+        policy, mapping = load_keras_policy(path, action_space, observation_space=observation_space,
+                                            dist_inputs=dist_inputs, signature_key=signature_key, tag=tag,
+                                            device=device)
     source = {"converted_from": str(Path(path).absolute()), "kind": "keras_base_model", "signature": signature_key,
               "tag": tag, "key_mapping": mapping, "action_space": space_to_json(action_space)}
     try:

@@ -11,7 +11,8 @@ with the same checks (``onnx.checker`` before ONNX Runtime, the SavedModel op ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from policy_export.exporter import formats as registry
 from policy_export.exporter.formats import Format
 from policy_export.exporter.parity import ParityReport, Tolerances, compare, run_batched, sample_inputs
 from policy_export.exporter.plan import ParityPlan
+from policy_export.exporter.progress import SILENT, Counted, Progress, Task
 from policy_export.policy.errors import ExportError, InputError
 from policy_export.signatures.contract import Contract
 
@@ -33,7 +35,8 @@ class Replay:
     """What each format is checked against: the plan, the contract, the tolerances.
 
     ``explore`` runs the exploration part: the plan's :class:`~exporter.plan.ExplorationPlan`, or
-    at export an object that also scores each format's samples in the session.
+    at export an object that also scores each format's samples in the session. ``progress`` is
+    told each format's check as a stage (``parity <format>``), with a bar over the rows it runs.
     """
 
     plan: ParityPlan
@@ -42,6 +45,36 @@ class Replay:
     batch_size: int
     explore: Any = None
     formats_info: Mapping[str, Any] = field(default_factory=dict)
+    progress: Progress = SILENT
+    _task: Task | None = field(default=None, init=False, repr=False)
+
+    @contextlib.contextmanager
+    def stage(self, label: str, fmt: Format) -> Iterator[Task]:
+        """The check of ``fmt`` (as ``label``) as a progress stage; runners :meth:`counted` meanwhile
+        advance its bar."""
+        with self.progress.stage(f"parity {label}", self.rows(fmt)) as task:
+            self._task = task
+            try:
+                yield task
+            finally:
+                self._task = None
+
+    def rows(self, fmt: Format) -> int | None:
+        """The rows :meth:`check_runner` runs through ``fmt`` (None for formats checked otherwise)."""
+        if not fmt.capabilities.signature:
+            return None
+        n = len(next(iter(self.plan.golden_inputs.values()))) if self.plan.golden_inputs else 0
+        explore = getattr(self.explore, "plan", self.explore)
+        if explore is not None and fmt.capabilities.explores:
+            n += explore.observations * explore.draws_per_observation
+        if self.plan.stepped is not None and fmt.capabilities.steps_state:
+            first = next(iter(self.plan.stepped.inputs.values()))
+            n += first.shape[0] * first.shape[1]
+        return n
+
+    def counted(self, runner):
+        """``runner``, advancing the current stage's bar by the rows of each call."""
+        return runner if self._task is None else Counted(runner, self._task)
 
     def output_keys(self, fmt: Format) -> list[str]:
         """The contract outputs ``fmt`` computes."""
@@ -51,6 +84,7 @@ class Replay:
         """Golden outputs, exploration (formats that sample) and stepped parity (formats that
         carry state) for one runner."""
         keys = self.output_keys(fmt)
+        runner = self.counted(runner)
         got = run_batched(runner, self.plan.golden_inputs, self.batch_size)
         report.records.extend(compare(label, self.plan.golden_outputs, got, self.tolerances, keys, self.contract))
         if self.explore is not None and fmt.capabilities.explores:
@@ -65,8 +99,9 @@ def check_formats(root: Path, names: Sequence[str], manifest: Mapping[str, Any],
     whatever breaks a format is recorded in ``report.errors`` instead of raised."""
     for name in names:
         fmt = registry.get(name)
-        _guarded(name, report, collect_errors,
-                 lambda fmt=fmt: fmt.check(fmt.name, root / fmt.path, manifest, device, replay, report))
+        with replay.stage(name, fmt):
+            _guarded(name, report, collect_errors,
+                     lambda fmt=fmt: fmt.check(fmt.name, root / fmt.path, manifest, device, replay, report))
 
 
 def check_candidates(candidates: Mapping[str, Path], manifest: Mapping[str, Any], device, replay: Replay,
@@ -74,8 +109,9 @@ def check_candidates(candidates: Mapping[str, Path], manifest: Mapping[str, Any]
     """Check each candidate model file (format -> path) against ``replay``, as ``<format> candidate``."""
     for name, path in candidates.items():
         fmt, label = registry.get(name), candidate_label(name)
-        _guarded(label, report, True,
-                 lambda fmt=fmt, label=label, path=path: fmt.check(label, path, manifest, device, replay, report))
+        with replay.stage(label, fmt):
+            _guarded(label, report, True,
+                     lambda fmt=fmt, label=label, path=path: fmt.check(label, path, manifest, device, replay, report))
 
 
 def candidate_label(fmt: str) -> str:
@@ -101,15 +137,20 @@ class Opened:
 
 
 def check_fresh_samples(feeds: Mapping[str, np.ndarray], reference: Opened, others: Sequence[Opened],
-                        manifest: Mapping[str, Any], device, replay: Replay, report: ParityReport) -> None:
+                        manifest: Mapping[str, Any], device, replay: Replay, report: ParityReport,
+                        task: Task | None = None) -> None:
     """Run ``feeds`` through the reference and each other model and compare; a model that cannot
-    be opened or run is recorded in ``report.errors``."""
+    be opened or run is recorded in ``report.errors``. ``task`` (a progress stage) is advanced by
+    the rows run."""
+    def counted(runner):
+        return runner if task is None else Counted(runner, task)
+
     with reference.fmt.open(reference.path, manifest, device) as runner:
-        expected = run_batched(runner, feeds, replay.batch_size)
+        expected = run_batched(counted(runner), feeds, replay.batch_size)
     for other in others:
         def run(other=other):
             with other.fmt.open(other.path, manifest, device) as runner:
-                got = run_batched(runner, feeds, replay.batch_size)
+                got = run_batched(counted(runner), feeds, replay.batch_size)
             report.records.extend(compare(f"{other.label} vs {reference.label}", expected, got, replay.tolerances,
                                           replay.output_keys(other.fmt), replay.contract))
         _guarded(f"{other.label} vs {reference.label}", report, True, run)

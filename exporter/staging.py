@@ -62,6 +62,7 @@ def check_target(out: Path, overwrite: bool) -> None:
         if not overwrite:
             raise ExportExistsError(f"{out} already exists; pass overwrite (--overwrite) to replace it")
         _check_replaceable(out)
+    _check_lock_path(out)
     parent = out.parent
     while not parent.exists():  # missing parents are created; the nearest existing one must be writable
         parent = parent.parent
@@ -69,6 +70,18 @@ def check_target(out: Path, overwrite: bool) -> None:
         raise ExportError(f"{parent} is not a directory, so {out} cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"directory {parent} is not writable")
+
+
+def _check_lock_path(out: Path) -> None:
+    """A lock path that can never be a lock (a symbolic link, FIFO, directory...) is refused up
+    front, before any work; :func:`_lock` checks it again when it opens the file."""
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        mode = os.lstat(lock).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ExportError(f"lock file {lock} is not a regular file; remove it if it is not an export's lock")
 
 
 def _check_replaceable(out: Path) -> None:
