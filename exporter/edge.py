@@ -241,10 +241,15 @@ def quantize_onnx_int8(model):
     with tempfile.TemporaryDirectory(prefix="policy-export-int8-") as tmp:
         src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
         onnx.save_model(model, str(src))
+        root = logging.getLogger()  # quantize_dynamic advises pre-processing on the root logger
+        level = root.level
+        root.setLevel(max(level, logging.ERROR))
         try:
             quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True)
         except Exception as e:  # onnxruntime raises many kinds
             raise ExportError(f"ONNX Runtime dynamic quantisation failed: {type(e).__name__}: {e}") from e
+        finally:
+            root.setLevel(level)
         quantized = onnx.load_model(str(dst))
     _keep_metadata(model, quantized)
     return quantized
