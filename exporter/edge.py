@@ -204,21 +204,39 @@ def check_tflite_file(path: Path) -> None:
 # ------------------------------------------------------------------------------ compressed ONNX
 
 
-def deterministic_onnx(ctx: ExportContext):
-    """The deterministic ONNX model (as ``model_deterministic.onnx`` holds it), converted once per export.
+def deterministic_onnx(ctx: ExportContext, stage: Path | None = None):
+    """The deterministic ONNX model (as ``model_deterministic.onnx`` holds it) and its signature,
+    made once per export: read back from ``stage`` where that format was written already, else
+    converted here (the ``onnx_deterministic`` format need not be chosen).
 
     Raises:
         ExportError: the policy exposes no deterministic outputs.
     """
     cache = ctx.__dict__.setdefault("_edge_cache", {})
     if "deterministic_onnx" not in cache:
-        from policy_export.exporter import frozen_graph, onnx_model
+        from policy_export.exporter import onnx_model
         from policy_export.signatures.builder import build_deterministic_signature
 
         sig = build_deterministic_signature(ctx.policy)
         if sig is None:
             raise ExportError("the policy exposes no deterministic outputs")
-        cache["deterministic_onnx"] = (onnx_model.convert(ctx, sig, frozen_graph.freeze(ctx.policy, sig)), sig)
+        written = Path(stage) / onnx_model.DETERMINISTIC_FILENAME if stage is not None else None
+        if written is not None and written.is_file():
+            model = __import__("onnx").load_model(str(written))
+        elif hasattr(ctx, "onnx_models"):  # one conversion shared by the ONNX formats
+            converted = ctx.onnx_models()
+            model = converted.deterministic
+            if model is None:  # already written and released by its own writer
+                from policy_export.exporter.onnx_convert import convert_both
+
+                model = convert_both(ctx).deterministic
+            onnx_model.finish_model(model, sig.contract, ctx.opset,
+                                    [k for k in converted.nchw if k in sig.contract.input_keys])
+        else:
+            from policy_export.exporter import frozen_graph
+
+            model = onnx_model.convert(ctx, sig, frozen_graph.freeze(ctx.policy, sig))
+        cache["deterministic_onnx"] = (model, sig)
     return cache["deterministic_onnx"]
 
 
@@ -276,7 +294,7 @@ def write_compressed_onnx(ctx: ExportContext, target: Path, name: str, kind: str
     from policy_export.exporter.compat import import_onnx
 
     onnx = import_onnx()
-    model, sig = deterministic_onnx(ctx)
+    model, sig = deterministic_onnx(ctx, target.parent)
     out = quantize_onnx_int8(model) if kind == "int8" else convert_onnx_fp16(model)
     try:
         onnx.checker.check_model(out)
