@@ -33,6 +33,7 @@ from policy_export.exporter.exploration import (
     DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS, logp_of_given_actions, rounding_allowance, within_allowance,
 )
 from policy_export.exporter.exploration import summarize as summarize_exploration
+from policy_export.exporter import behaviour as behaviour_thresholds
 from policy_export.exporter import replay
 from policy_export.exporter.parity import (
     DEFAULT_BATCH, DEFAULT_SAMPLES, ParityReport, Tolerance, Tolerances, compare_arrays, run_batched, sample_inputs,
@@ -156,6 +157,7 @@ def export_policy(
     source: Mapping[str, Any] | None = None,
     external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
     progress: Progress | None = None,
+    behaviour: Mapping[str, Mapping[str, float]] | None = None,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
@@ -166,8 +168,10 @@ def export_policy(
     NCHW (and only those); parity then feeds each runtime its own layout. Recurrent policies also
     get stepped parity over ``stepped_steps`` consecutive steps (see :mod:`exporter.stepped`).
     ONNX models whose weights exceed ``external_data_threshold`` bytes keep them in a ``.data``
-    file beside the model (ONNX external data). ``source`` is recorded in the manifest (e.g. what
-    a converted model came from). The parity
+    file beside the model (ONNX external data). ``behaviour`` overrides the thresholds of lossy
+    formats (format, or ``"*"`` for all -> {name: value}; see :mod:`exporter.behaviour`); they are
+    recorded in the manifest. ``source`` is recorded in the manifest (e.g. what a converted model
+    came from). The parity
     plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
     ``parity/`` so that :func:`verify_export` replays it. ``progress`` (a
     :class:`exporter.progress.Progress`; default silent) is told each stage as it runs.
@@ -200,6 +204,7 @@ def export_policy(
     formats = tuple(f.name for f in chosen)
     if external_data_threshold < 0:
         raise InputError(f"external_data_threshold must be 0 or more, got {external_data_threshold}")
+    thresholds = behaviour_thresholds.resolve([f.name for f in chosen if f.capabilities.lossy], behaviour)
     ctx = ExportContext(policy=policy, signature=signature, device=plan, opset=opset, inputs_as_nchw=inputs_as_nchw,
                         external_data_threshold=external_data_threshold)
 
@@ -234,7 +239,8 @@ def export_policy(
                                                     seed, run)
         report = ParityReport("tf_session", samples, seed, _device_info(plan))
         info = {k: r.details for k, r in records.items()}
-        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore, info, progress)
+        checks = replay.Replay(parity_plan, signature.contract, tolerances, batch_size, explore, info, progress,
+                               action_space=policy.action_space, behaviour=thresholds)
         view = {"tensor_names": signature.tensor_names(), "contract": signature.contract.to_json(), "formats": info}
         replay.check_formats(stage, formats, view, plan, checks, report)
         timings["parity"] = time.perf_counter() - parity_start
@@ -242,6 +248,9 @@ def export_policy(
             _write_golden(stage, parity_plan, report)
             doc = _manifest(policy, signature, records, opset, tolerances, report, stage)
             doc["parity"]["plan"] = parity_manifest_record(parity_plan)
+            if thresholds:
+                doc["behaviour"] = behaviour_thresholds.to_json(thresholds)
+                doc["parity"]["behaviour"] = behaviour_thresholds.summarize(report.behaviour)
             if source:
                 doc = {**doc, "source": dict(source)}
                 doc["files"] = manifest.file_records(stage)
@@ -300,6 +309,7 @@ def verify_export(
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
     expect_manifest_sha256: str | None = None, candidates: Mapping[str, str | Path] | None = None,
     localize: bool = False, progress: Progress | None = None,
+    behaviour: Mapping[str, Mapping[str, float]] | None = None,
 ) -> VerifyResult:
     """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
@@ -314,6 +324,9 @@ def verify_export(
 
     ``candidates`` (format -> model path, e.g. ``{"onnx": "model.opt.onnx"}``) checks those files
     against the export's plan instead of the export's own formats; the export is only read.
+
+    ``behaviour``: overrides of the lossy formats' thresholds recorded in the manifest (as for
+    :func:`export_policy`); lossy formats are re-checked against them.
 
     ``localize``: for each ONNX model checked (the export's, or an ONNX candidate), compare every
     intermediate tensor it shares with the export's frozen graph on the golden inputs and name the
@@ -343,6 +356,8 @@ def verify_export(
     tolerances = tf32_tolerances(tolerances or Tolerances.from_json(doc["tolerances"]), plan)
     contract = Contract.from_json(doc["contract"])
     _check_tolerance_keys(tolerances, contract, doc)
+    lossy = [f for f in doc["formats"] if f in registry.names() and registry.get(f).capabilities.lossy]
+    thresholds = behaviour_thresholds.resolve(lossy, behaviour, behaviour_thresholds.from_manifest(doc))
     report = ParityReport("golden_outputs", 0, seed, _device_info(plan))
     if digest != pin:  # the manifest itself is not the one pinned: trust none of it
         return VerifyResult(out, problems, report)
@@ -353,6 +368,7 @@ def verify_export(
     try:
         with progress.stage("load plan"):
             checks = _stored_replay(out, doc, check, contract, tolerances, batch_size)
+        checks.behaviour = thresholds
     except (ExportError, StopIteration, TypeError) as e:
         report.errors["parity"] = f"the parity plan cannot be used: {e}"
         return VerifyResult(out, problems, report)
@@ -412,7 +428,8 @@ def _stored_replay(out: Path, doc: Mapping[str, Any], check: manifest.FileCheck,
 
     action_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", str(out / manifest.MANIFEST))
     stored = load_plan(out, doc, check, action_space, contract, batch_size)
-    return replay.Replay(stored, contract, tolerances, batch_size, stored.exploration, doc["formats"])
+    return replay.Replay(stored, contract, tolerances, batch_size, stored.exploration, doc["formats"],
+                         action_space=action_space)
 
 
 def _fresh_samples(out: Path, doc: Mapping[str, Any], plan: DevicePlan, samples: int, seed: int,

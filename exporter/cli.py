@@ -42,6 +42,9 @@ def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> 
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
     _tf32_option(p)
+    p.add_argument("--behaviour", action="append", default=[], metavar="[FORMAT:]NAME=VALUE",
+                   help="threshold of a lossy format (tflite_int8, onnx_int8, onnx_fp16; without FORMAT: all): "
+                        "min_agreement (default 0.99) or max_box_error (default 0.02); repeatable")
     p.add_argument("--report-json", metavar="F", help="write the parity report as JSON to F")
     p.add_argument("--junit", metavar="F", help="write JUnit XML (one test case per format and output) to F")
 
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     ex.add_argument("--formats", default=None, metavar="LIST",
-                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras (default all)")
+                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
+                         "(the default) and the opt-in edge formats tflite,tflite_int8,onnx_int8,onnx_fp16")
     ex.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N",
                     help=f"ONNX opset (default {D.DEFAULT_OPSET})")
     ex.add_argument("--seed", type=int, default=D.EXPORT_SEED, metavar="S",
@@ -146,8 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     _tf32_option(ro)
     ro.add_argument("--report-json", metavar="F", help="write the rollout report as JSON to F")
     ro.add_argument("--formats", default=None, metavar="LIST",
-                    help="comma-separated formats that play, the first is the reference "
-                         "(default saved_model,onnx; also frozen_graph, onnx_deterministic)")
+                    help="comma-separated formats that play, the first is the reference unless it is lossy "
+                         "(the float SavedModel is then the reference) (default saved_model,onnx; also "
+                         "frozen_graph, onnx_deterministic, tflite, tflite_int8, onnx_int8, onnx_fp16)")
+    ro.add_argument("--return-tolerance", type=float, default=0.05, metavar="X",
+                    help="lossy formats: largest relative difference of the mean return from the reference's "
+                         "(default 0.05)")
     return parser
 
 
@@ -211,6 +219,18 @@ def _tolerances(args, base=None):
             raise InputError(f"--tolerance {item!r}: expected KEY=ATOL[:RTOL]")
         per_output[key] = Tolerance.parse(value)
     return Tolerances(default, per_output, tol.allow_non_finite | frozenset(args.allow_non_finite))
+
+
+def _behaviour_option(args) -> dict:
+    """``--behaviour [FORMAT:]NAME=VALUE`` items as the API's ``behaviour`` overrides (only when given,
+    so that the API's defaults and the manifest's thresholds apply otherwise)."""
+    from policy_export.exporter.behaviour import parse_override
+
+    overrides: dict[str, dict[str, float]] = {}
+    for item in getattr(args, "behaviour", []) or []:
+        fmt, name, value = parse_override(item)
+        overrides.setdefault(fmt, {})[name] = value
+    return {"behaviour": overrides} if overrides else {}
 
 
 def _check_seed(args) -> None:
@@ -341,7 +361,8 @@ def _cmd_export(args, console) -> int:
                              samples=args.samples, seed=args.seed, tolerances=tolerances,
                              overwrite=args.overwrite, explore_samples=args.explore_samples,
                              inputs_as_nchw=args.inputs_as_nchw,
-                             external_data_threshold=args.external_data_threshold, progress=args.progress)
+                             external_data_threshold=args.external_data_threshold, progress=args.progress,
+                             **_behaviour_option(args))
     except ParityFailedError as e:
         args.progress.close(failed=True)
         if e.report is not None:
@@ -385,7 +406,8 @@ def _cmd_verify(args, console) -> int:
 
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args),
                            tolerances=tolerances, expect_manifest_sha256=args.expect_manifest_sha256,
-                           candidates=candidates, localize=args.localize, progress=args.progress)
+                           candidates=candidates, localize=args.localize, progress=args.progress,
+                           **_behaviour_option(args))
     args.progress.close()
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes})
@@ -559,7 +581,7 @@ def _cmd_rollout(args, console) -> int:
     from policy_export.exporter.rollout import rollout
 
     report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=_device_plan(args),
-                     formats=formats)
+                     formats=formats, return_tolerance=args.return_tolerance)
     ref, others = report.reference, report.formats[1:]
     table = Table(title=f"rollout {escape(str(args.out))} in {escape(args.env)} (deterministic actions; "
                         f"reference {ref})", title_justify="left")
@@ -571,22 +593,33 @@ def _cmd_rollout(args, console) -> int:
         table.add_column(f"{f}: first divergence", justify="right")
     for e in report.episodes:
         steps = "/".join(str(e.steps[f]) for f in report.formats)
-        cells = ["none" if e.first_divergence[f] is None else f"[bold red]step {e.first_divergence[f]}[/bold red]"
-                 for f in others]
+        cells = ["none" if e.first_divergence[f] is None
+                 else f"step {e.first_divergence[f]} (lossy)" if f in report.lossy
+                 else f"[bold red]step {e.first_divergence[f]}[/bold red]" for f in others]
         table.add_row(str(e.seed), *(f"{e.returns[f]:.1f}" for f in report.formats), steps, *cells)
     console.print(table)
     console.print("mean return: " + ", ".join(f"{f} {report.mean_return(f):.1f}" for f in report.formats))
     console.print("largest action deviation from the reference: "
                   + ", ".join(f"{f} {report.max_deviation(f):.3g}" for f in others))
+    console.print("mean return difference from the reference: "
+                  + ", ".join(f"{f} {report.return_difference(f):+.1f} ({report.relative_return_difference(f):+.2%}"
+                              + (f", lossy: at most {report.return_tolerance:.0%}" if f in report.lossy else "") + ")"
+                              for f in others))
     if args.report_json:
         try:
             write_json(args.report_json, report.to_json())
         except OSError as e:
             raise InputError(f"--report-json {args.report_json}: {e.strerror}") from e
     if not report.passed:
-        bad = [f for f in others if any(e.first_divergence[f] is not None for e in report.episodes)]
-        print(f"{PROG}: rollout failed: {', '.join(bad)} chose actions beyond the parity tolerance of {ref}'s "
-              f"(largest deviation {max(report.max_deviation(f) for f in bad):.3g})", file=sys.stderr)
+        failed = report.failed_formats()
+        bad = [f for f in failed if f not in report.lossy]
+        parts = []
+        if bad:
+            parts.append(f"{', '.join(bad)} chose actions beyond the parity tolerance of {ref}'s "
+                         f"(largest deviation {max(report.max_deviation(f) for f in bad):.3g})")
+        parts += [f"{f}'s mean return differs from {ref}'s by {report.relative_return_difference(f):+.2%} "
+                  f"(at most {report.return_tolerance:.0%})" for f in failed if f in report.lossy]
+        print(f"{PROG}: rollout failed: {'; '.join(parts)}", file=sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK
 

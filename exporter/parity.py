@@ -133,14 +133,17 @@ class ParityReport:
     errors: dict[str, str] = field(default_factory=dict)  # format -> why it could not be run
     exploration: list[Any] = field(default_factory=list)  # exploration.ExplorationCheck
     localization: list[dict[str, Any]] = field(default_factory=list)  # localize.Localization.to_json()
+    behaviour: list[Any] = field(default_factory=list)  # behaviour.BehaviourCheck (lossy formats)
 
     @property
     def passed(self) -> bool:
-        return not self.errors and all(r.passed for r in self.records) and all(c.passed for c in self.exploration)
+        return (not self.errors and all(r.passed for r in self.records) and all(c.passed for c in self.exploration)
+                and all(c.passed for c in self.behaviour))
 
     def failures(self) -> list[Any]:
-        """Every failed record: :class:`OutputParity` and exploration checks alike (``describe()``)."""
-        return [r for r in self.records if not r.passed] + [c for c in self.exploration if not c.passed]
+        """Every failed record: :class:`OutputParity`, exploration and behaviour checks alike (``describe()``)."""
+        return ([r for r in self.records if not r.passed] + [c for c in self.exploration if not c.passed]
+                + [c for c in self.behaviour if not c.passed])
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckFailedError` naming every failed output."""
@@ -154,6 +157,7 @@ class ParityReport:
                 "devices": self.devices, "passed": self.passed, "errors": dict(self.errors),
                 "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records],
                 "exploration": [c.to_json() for c in self.exploration],
+                "behaviour": [c.to_json() for c in self.behaviour],
                 "localization": list(self.localization)}
 
     @classmethod
@@ -161,9 +165,12 @@ class ParityReport:
         from policy_export.exporter.exploration import ExplorationCheck
 
         records = [OutputParity(**{**r, "shape": tuple(r["shape"])}) for r in obj["records"]]
+        from policy_export.exporter.behaviour import BehaviourCheck
+
         exploration = [ExplorationCheck(**c) for c in obj.get("exploration", [])]
+        behaviour = [BehaviourCheck(**c) for c in obj.get("behaviour", [])]
         return cls(obj["reference"], obj["samples"], obj["seed"], obj["devices"], records,
-                   dict(obj.get("errors", {})), exploration)
+                   dict(obj.get("errors", {})), exploration, behaviour=behaviour)
 
 
 def sampling_space(space: gym.Space) -> gym.Space:

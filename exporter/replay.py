@@ -46,6 +46,8 @@ class Replay:
     explore: Any = None
     formats_info: Mapping[str, Any] = field(default_factory=dict)
     progress: Progress = SILENT
+    action_space: Any = None  # lossy formats: what their actions are judged by
+    behaviour: Mapping[str, Any] = field(default_factory=dict)  # lossy format -> behaviour.Thresholds
     _task: Task | None = field(default=None, init=False, repr=False)
 
     @contextlib.contextmanager
@@ -86,11 +88,37 @@ class Replay:
         keys = self.output_keys(fmt)
         runner = self.counted(runner)
         got = run_batched(runner, self.plan.golden_inputs, self.batch_size)
+        if fmt.capabilities.lossy:
+            self._check_behaviour(label, fmt, runner, got, report, keys)
+            return
         report.records.extend(compare(label, self.plan.golden_outputs, got, self.tolerances, keys, self.contract))
-        if self.explore is not None and fmt.capabilities.explores:
+        if self.explore is not None and fmt.explores(self.formats_info.get(fmt.name)):
             self.explore.check(label, runner, self.tolerances, report)
         if self.plan.stepped is not None and fmt.capabilities.steps_state:
             self.plan.stepped.check(label, runner, self.tolerances, report, keys)
+
+
+    def thresholds(self, fmt: Format):
+        from policy_export.exporter.behaviour import Thresholds
+
+        return self.behaviour.get(fmt.name) or Thresholds()
+
+    def _check_behaviour(self, label: str, fmt: Format, runner, got, report: ParityReport, keys) -> None:
+        """Lossy formats: behavioural records on the golden inputs (at the plan's batching) and,
+        for recurrent policies, over the stepped sequences (the format carrying its own state)."""
+        from policy_export.exporter.behaviour import compare_behaviour
+        from policy_export.exporter.stepped import run_stepped
+
+        if self.action_space is None:
+            raise ExportError(f"{label}: behavioural parity needs the export's action space")
+        thresholds = self.thresholds(fmt)
+        report.behaviour.extend(compare_behaviour(label, self.plan.golden_outputs, got, keys, self.action_space,
+                                                  thresholds))
+        stepped = self.plan.stepped
+        if stepped is not None and fmt.capabilities.steps_state:
+            steps = run_stepped(runner, stepped.inputs, stepped.initial_state)
+            report.behaviour.extend(compare_behaviour(f"{label} (stepped {stepped.steps})", stepped.serving, steps,
+                                                      keys, self.action_space, thresholds, stepped=True))
 
 
 def check_formats(root: Path, names: Sequence[str], manifest: Mapping[str, Any], device, replay: Replay,
@@ -151,6 +179,13 @@ def check_fresh_samples(feeds: Mapping[str, np.ndarray], reference: Opened, othe
         def run(other=other):
             with other.fmt.open(other.path, manifest, device) as runner:
                 got = run_batched(counted(runner), feeds, replay.batch_size)
+            if other.fmt.capabilities.lossy:
+                from policy_export.exporter.behaviour import compare_behaviour
+
+                report.behaviour.extend(compare_behaviour(
+                    f"{other.label} vs {reference.label}", expected, got, replay.output_keys(other.fmt),
+                    replay.action_space, replay.thresholds(other.fmt)))
+                return
             report.records.extend(compare(f"{other.label} vs {reference.label}", expected, got, replay.tolerances,
                                           replay.output_keys(other.fmt), replay.contract))
         _guarded(f"{other.label} vs {reference.label}", report, True, run)

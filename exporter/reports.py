@@ -47,7 +47,27 @@ def parity_table(report: ParityReport, title: str):
         table.add_row(plain(f"{fmt} (explore)"), plain(key), "samples", f"{len(checks)} tests x {worst.samples}",
                       f"p {worst.p_value:.2g}", "", "", "", f"p >= {worst.threshold:.1e}", "",
                       "[green]pass[/green]" if ok else "[bold red]FAIL[/bold red]")
+    for c in report.behaviour:  # lossy formats: behavioural parity
+        table.add_row(plain(c.format), plain(c.key), c.metric, str(c.samples), _fmt(c.max_abs_err),
+                      _fmt(c.mean_abs_err), _fmt(c.p99_abs_err), "", _behaviour_bound(c), _behaviour_value(c),
+                      "[green]pass[/green]" if c.passed else "[bold red]FAIL[/bold red]")
     return table
+
+
+def _behaviour_value(c) -> str:
+    if c.metric == "agreement":
+        return f"agree {c.value:.2%}"
+    if c.metric == "box_error":
+        return f"err {c.value:.3%}"
+    return ""
+
+
+def _behaviour_bound(c) -> str:
+    if c.metric == "agreement":
+        return f">= {c.threshold:.2%}"
+    if c.metric == "box_error":
+        return f"<= {c.threshold:.2%} range"
+    return "recorded"
 
 
 def record_problems(report: ParityReport) -> list[str]:
@@ -96,6 +116,11 @@ def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = (
         if not c.passed:
             ET.SubElement(case, "failure", message=c.describe(), type="DistributionMismatch").text = c.describe()
         cases.append(case)
+    for c in report.behaviour:
+        case = ET.Element("testcase", classname=f"{suite}.{c.format}.behaviour", name=c.key, time="0")
+        if not c.passed:
+            ET.SubElement(case, "failure", message=c.describe(), type="BehaviourMismatch").text = c.describe()
+        cases.append(case)
     for fmt, message in report.errors.items():
         case = ET.Element("testcase", classname=f"{suite}.{fmt}", name="load", time="0")
         ET.SubElement(case, "failure", message=message, type="LoadError").text = message
@@ -134,4 +159,8 @@ def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[s
         worst = min(checks, key=lambda c: c.p_value)
         lines.append(f"| {_md(fmt)} (explore) | {_md(key)} | min p {worst.p_value:.2g} over {len(checks)} tests | | | | "
                      f"p >= {worst.threshold:.1e} | {'pass' if all(c.passed for c in checks) else 'FAIL'} |")
+    for c in report.behaviour:
+        lines.append(f"| {_md(c.format)} | {_md(c.key)} | {_fmt(c.max_abs_err)} | {_fmt(c.mean_abs_err)} | "
+                     f"{_fmt(c.p99_abs_err)} | {_behaviour_value(c)} | {_behaviour_bound(c)} | "
+                     f"{'pass' if c.passed else 'FAIL'} |")
     return "\n".join(lines) + "\n"

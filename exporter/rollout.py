@@ -8,6 +8,12 @@ the reference's; float actions must agree within the export's parity tolerance f
 ``actions_i`` output (``|a - ref| <= atol + rtol * |ref|``), since runtimes differ in the last bits
 of a float. The report gives each episode's return per format, the first step at which a format's
 action left that bound (``None``: it never did) and the largest deviation seen.
+
+Lossy formats (quantised, float16: capability ``lossy``) are not expected to choose the same
+action at every step. They are judged by return instead: each one's mean return over the episodes
+must lie within ``return_tolerance`` (default 5%) of the reference's, relative to the magnitude
+of the reference's mean return. When the first format named is lossy, the reference is the float
+model: the export's SavedModel (else its first float format that plays) is put first.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from policy_export.signatures.keys import (
 )
 
 DEFAULT_FORMATS = ("saved_model", "onnx")
+DEFAULT_RETURN_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class RolloutReport:
     env_id: str
     formats: list[str]
     episodes: list[EpisodeResult]
+    lossy: tuple[str, ...] = ()  # judged by mean return, not by step-by-step actions
+    return_tolerance: float = DEFAULT_RETURN_TOLERANCE
 
     @property
     def reference(self) -> str:
@@ -61,10 +70,32 @@ class RolloutReport:
 
     @property
     def passed(self) -> bool:
-        return not any(e.diverged for e in self.episodes)
+        return not self.failed_formats()
+
+    def failed_formats(self) -> list[str]:
+        """Float formats whose actions left the tolerance, lossy ones whose mean return is off."""
+        out = []
+        for f in self.formats[1:]:
+            if f in self.lossy:
+                if abs(self.relative_return_difference(f)) > self.return_tolerance:
+                    out.append(f)
+            elif any(e.first_divergence.get(f) is not None for e in self.episodes):
+                out.append(f)
+        return out
 
     def mean_return(self, fmt: str) -> float:
         return float(np.mean([e.returns[fmt] for e in self.episodes]))
+
+    def return_difference(self, fmt: str) -> float:
+        """``fmt``'s mean return minus the reference's."""
+        return self.mean_return(fmt) - self.mean_return(self.reference)
+
+    def relative_return_difference(self, fmt: str) -> float:
+        """:meth:`return_difference` over the magnitude of the reference's mean return (the
+        difference itself where that is 0)."""
+        scale = abs(self.mean_return(self.reference))
+        diff = self.return_difference(fmt)
+        return diff / scale if scale > 0 else diff
 
     def max_deviation(self, fmt: str) -> float:
         return float(max(e.max_deviation.get(fmt, 0.0) for e in self.episodes))
@@ -73,6 +104,10 @@ class RolloutReport:
         return {"env_id": self.env_id, "passed": self.passed, "reference": self.reference, "formats": self.formats,
                 "mean_return": {f: self.mean_return(f) for f in self.formats},
                 "max_deviation": {f: self.max_deviation(f) for f in self.formats[1:]},
+                "return_difference": {f: self.return_difference(f) for f in self.formats[1:]},
+                "relative_return_difference": {f: self.relative_return_difference(f) for f in self.formats[1:]},
+                "lossy": list(self.lossy), "return_tolerance": self.return_tolerance,
+                "failed": self.failed_formats(),
                 "episodes": [asdict(e) for e in self.episodes]}
 
 
@@ -107,11 +142,15 @@ class _Agent:
 
 
 def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, device: str = "auto",
-            max_steps: int | None = None, formats: list[str] | None = None) -> RolloutReport:
+            max_steps: int | None = None, formats: list[str] | None = None,
+            return_tolerance: float = DEFAULT_RETURN_TOLERANCE) -> RolloutReport:
     """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
 
     ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats that run
-    the policy's signature (every format but ``keras``); the first is the reference.
+    the policy's signature (every format but ``keras``); the first is the reference, unless it is
+    lossy: the float model (the SavedModel, else the export's first float format) is then put
+    first. Lossy formats pass when their mean return is within ``return_tolerance`` (relative)
+    of the reference's.
 
     Raises:
         CheckFailedError: a file of the export is changed, missing, extra or not a regular file
@@ -129,8 +168,11 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
         raise CheckFailedError(f"{out} failed its file check, nothing was loaded: " + "; ".join(problems))
     if episodes < 1:
         raise InputError(f"episodes must be at least 1, got {episodes}")
-    formats = list(formats or DEFAULT_FORMATS)
+    if not (isinstance(return_tolerance, (int, float)) and np.isfinite(return_tolerance) and return_tolerance >= 0):
+        raise InputError(f"return tolerance must be a finite number >= 0, got {return_tolerance!r}")
+    formats = _with_float_reference(list(formats or DEFAULT_FORMATS), doc)
     _check_formats(formats, doc)
+    lossy = tuple(f for f in formats[1:] if _is_lossy(f))
     contract = Contract.from_json(doc["contract"])
     tolerances = Tolerances.from_json(doc["tolerances"])
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(out))
@@ -152,7 +194,24 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
             env.close()
         for runner in runners.values():
             runner.close()
-    return RolloutReport(env_id, formats, results)
+    return RolloutReport(env_id, formats, results, lossy, float(return_tolerance))
+
+
+def _is_lossy(name: str) -> bool:
+    from policy_export.exporter import formats as registry
+
+    return name in registry.names() and registry.get(name).capabilities.lossy
+
+
+def _with_float_reference(formats: list[str], doc: dict) -> list[str]:
+    """``formats``, with the float model put first when the first one named is lossy."""
+    if not formats or not _is_lossy(formats[0]):
+        return formats
+    playable = [f for f in runnable_names() if f in doc["formats"] and not _is_lossy(f)]
+    if not playable:
+        raise ExportError(f"the export has no float format to play as the reference of {formats[0]}")
+    reference = "saved_model" if "saved_model" in playable else playable[0]
+    return [reference, *(f for f in formats if f != reference)]
 
 
 def _check_formats(formats: list[str], doc: dict) -> None:

@@ -92,7 +92,7 @@ def test_existing_output_is_exit_2_without_traceback(exported):
     (lambda d: (d / "policy.json").write_text(json.dumps({"format_version": 1})), [], "$.name: missing"),
     (lambda d: None, [], "file not found"),
     (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--opset", "3"], "opset 3"),
-    (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--formats", "tflite"],
+    (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--formats", "coreml"],
      "unknown format"),
     (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--tolerance", "x"],
      "KEY=ATOL"),

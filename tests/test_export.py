@@ -144,7 +144,7 @@ def test_unsupported_opset_and_format_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="opset 9"):
         export_spec(FIXTURES_DIR / "cartpole_mlp", tmp_path / "a", opset=9)
     with pytest.raises(InputError, match="unknown format"):
-        export_spec(FIXTURES_DIR / "cartpole_mlp", tmp_path / "b", formats=["tflite"])
+        export_spec(FIXTURES_DIR / "cartpole_mlp", tmp_path / "b", formats=["coreml"])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -344,13 +344,13 @@ def test_verify_reports_broken_golden_files_and_unknown_formats_as_failed_checks
     with np.load(copy / "parity" / "inputs.npz") as data:
         np.savez(copy / "parity" / "inputs.npz", observations=data["observations"][:, :3])
     doc = json.loads((copy / "manifest.json").read_text())
-    doc["formats"]["tflite"] = {"files": []}
+    doc["formats"]["coreml"] = {"files": []}
     (copy / "manifest.json").write_text(json.dumps(doc))
     proc = cli("verify", str(copy), "--report-json", str(tmp_path / "r.json"))
     assert proc.returncode == 1, proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert "changed file parity/inputs.npz (sha256 differs from the manifest)" in report["file_problems"]
-    assert "unknown format 'tflite'" in report["errors"]["tflite"]
+    assert "unknown format 'coreml'" in report["errors"]["coreml"]
     assert report["errors"]["parity"] == "golden files not loaded: they failed the hash check"
     assert report["records"] == []  # nothing ran on inputs that failed their hash
     from policy_export.exporter.manifest import file_records

@@ -18,11 +18,13 @@ def manifest_of(out):
 
 def test_capabilities_decide_what_each_format_is_checked_for():
     signature = [f.name for f in formats.with_capability("signature")]
-    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic"]
-    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx"]
+    edge = ["tflite", "tflite_int8", "onnx_int8", "onnx_fp16"]
+    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", *edge]
+    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx", "tflite"]
     assert [f.name for f in formats.with_capability("onnx")] == ["onnx", "onnx_deterministic"]
     assert [f.name for f in formats.with_capability("reference", ["onnx", "frozen_graph"])] == ["frozen_graph"]
-    assert formats.default_names() == formats.names()
+    assert [f.name for f in formats.with_capability("lossy")] == ["tflite_int8", "onnx_int8", "onnx_fp16"]
+    assert formats.default_names() == tuple(f for f in formats.names() if f not in edge)  # edge formats are opt-in
 
 
 @pytest.mark.parametrize("name", ["saved_model", "frozen_graph", "onnx", "onnx_deterministic"])

@@ -692,8 +692,9 @@ def test_every_format_is_a_registered_plugin_with_its_own_path():
     from policy_export.exporter import formats
 
     paths = formats.paths()
-    assert list(paths) == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras"]
-    assert paths["onnx"] == "model.onnx" and paths["keras"] == "keras"
+    assert list(paths) == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras",
+                           "tflite", "tflite_int8", "onnx_int8", "onnx_fp16"]
+    assert paths["onnx"] == "model.onnx" and paths["keras"] == "keras" and paths["tflite"] == "model.tflite"
     assert len(set(paths.values())) == len(paths)  # no two formats write the same path
     with pytest.raises(InputError, match="unknown format 'tflite_nope'"):
         formats.get("tflite_nope")

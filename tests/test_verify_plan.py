@@ -415,7 +415,7 @@ def test_a_saved_model_candidate_goes_through_the_op_checks(exports, tmp_path):
 
 @pytest.mark.parametrize("flag, fragment", [
     ("onnx", "expected FORMAT=PATH"),
-    ("tflite=x.tflite", "cannot be a candidate"),
+    ("coreml=x.mlmodel", "cannot be a candidate"),
     ("keras=x", "cannot be a candidate"),
     ("onnx=/no/such/model.onnx", "no such file"),
     ("saved_model=/tmp", "not a SavedModel directory"),

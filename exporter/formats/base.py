@@ -28,7 +28,10 @@ class Capabilities:
     - ``reference``: TensorFlow itself runs it, so fresh samples are compared against it;
     - ``onnx``: an ONNX model, localised against the frozen graph when it fails;
     - ``needs_frozen_graph``: writing it uses the frozen graph;
-    - ``default``: written when no formats are chosen.
+    - ``default``: written when no formats are chosen;
+    - ``lossy``: computes an approximation of the policy (quantised, float16), so it is held to
+      behavioural thresholds (action agreement, Box error as a share of the range; see
+      :mod:`exporter.behaviour`) instead of value-by-value tolerances.
     """
 
     signature: bool = True
@@ -38,6 +41,7 @@ class Capabilities:
     onnx: bool = False
     needs_frozen_graph: bool = False
     default: bool = True
+    lossy: bool = False
 
 
 class Format:
@@ -67,6 +71,11 @@ class Format:
     def output_keys(self, contract: "Contract", info: Mapping[str, Any] | None) -> list[str]:
         """The contract outputs this format computes (``info``: its manifest record)."""
         return list(contract.output_keys)
+
+    def explores(self, info: Mapping[str, Any] | None) -> bool:
+        """Whether this export's file of the format samples when fed ``explore`` (its capability,
+        unless its manifest record says the explore path was left out)."""
+        return self.capabilities.explores and (info or {}).get("explores", True) is not False
 
     def files(self, info: Mapping[str, Any] | None) -> set[str]:
         """Every path the format owns inside an export, by its manifest record."""
