@@ -128,7 +128,7 @@ def scale_run(mode: str, spec_dir: str, out: str) -> dict:
         params = sum(a * b + b for a, b in zip(hiddens, hiddens[1:]))
         return {"parameters": params, "weights_mb": params * 4 / 2**20, "export_s": time.perf_counter() - start,
                 "parity_passed": result.parity.passed, "export_stages_s": result.timings,
-                "stage_peak_rss_mb": getattr(result, "peak_rss_mb", {}), "peak_rss_mb": _peak_mb(),
+                "stage_peak_rss_mb": result.peak_rss_mb, "peak_rss_mb": _peak_mb(),
                 "export_dir_mb": sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file()) / 2**20}
     verified = verify_export(out, device="cpu")
     return {"verify_s": time.perf_counter() - start, "verified": verified.passed, "verify_peak_rss_mb": _peak_mb()}

@@ -42,7 +42,7 @@ from policy_export.exporter.plan import (
     GOLDEN_INPUTS, GOLDEN_OUTPUTS, ExplorationPlan, ParityPlan, SteppedPlan, load_plan, write_plan,
 )
 from policy_export.exporter.plan import manifest_record as parity_manifest_record
-from policy_export.exporter.progress import SILENT, Counted, Progress
+from policy_export.exporter.progress import SILENT, Counted, MemoryTrace, Progress, peak_rss_mb
 from policy_export.exporter.staging import check_target, staged_directory
 from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, run_stepped, run_training_graph, stepped_inputs,
@@ -105,6 +105,7 @@ class ExportResult:
     parity: ParityReport
     manifest: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # process peak memory at each stage's end
 
 
 @contextlib.contextmanager
@@ -183,7 +184,7 @@ def export_policy(
         ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
     """
     explicit = formats is not None
-    progress = progress or SILENT
+    progress = MemoryTrace(progress or SILENT)
     formats = resolve_formats(formats)
     check_opset(opset)
     if samples < 1:
@@ -263,7 +264,7 @@ def export_policy(
                 "parity failed, nothing was written: " + "; ".join(r.describe() for r in report.failures())
                 + ("; " + "; ".join(where) if where else ""), report
             )
-    return ExportResult(out, records, doc["files"], report, doc, timings)
+    return ExportResult(out, records, doc["files"], report, doc, timings, progress.peaks)
 
 
 def _localize_failed(stage: Path, ctx: ExportContext, formats, signature, parity_plan, tolerances: Tolerances,
@@ -295,12 +296,13 @@ def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto",
     start = time.perf_counter()
     with (options.get("progress") or SILENT).stage("graph build"):
         policy = TFPolicy.from_spec(load_spec(spec_path), device=plan.tf_device)
-    build = time.perf_counter() - start
+    build, build_peak = time.perf_counter() - start, peak_rss_mb()
     try:
         result = export_policy(policy, out, device=plan, **options)
     finally:
         policy.close()
     result.timings["graph build"] = build
+    result.peak_rss_mb["graph build"] = build_peak
     return result
 
 

@@ -71,6 +71,34 @@ class SilentProgress(Progress):
     """Reports nothing."""
 
 
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far, in MiB (``getrusage``; Linux reports KiB)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class MemoryTrace(Progress):
+    """Passes every stage on to ``inner`` and records the process's peak resident memory when each
+    stage ends (``peaks``: stage -> MiB); where the peak jumps is the stage that needed the memory."""
+
+    def __init__(self, inner: Progress):
+        self.inner = inner
+        self.peaks: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str, total: int | None = None) -> Iterator[Task]:
+        try:
+            with self.inner.stage(name, total) as task:
+                yield task
+        finally:
+            self.peaks[name] = peak_rss_mb()
+
+    def close(self, failed: bool = False) -> None:
+        self.inner.close(failed)
+
+
 SILENT = SilentProgress()
 
 

@@ -216,3 +216,16 @@ def test_rich_display_shows_stages_and_clears_before_an_error():
     progress.close(failed=True)
     assert progress._progress.live.transient  # the display is erased: the error line stands alone
     progress.close()  # idempotent
+
+
+def test_export_records_peak_memory_at_the_end_of_each_stage(tmp_path):
+    from conftest import FIXTURES_DIR
+    from policy_export.exporter import export_spec
+
+    result = export_spec(FIXTURES_DIR / "cartpole_mlp", tmp_path / "x", device="cpu", samples=32, explore_samples=0)
+    peaks = result.peak_rss_mb
+    assert {"graph build", "write onnx", "parity session", "parity onnx", "write manifest"} <= set(peaks)
+    assert all(100 < v < 64 * 1024 for v in peaks.values())  # MiB: a TF process, not bytes or KiB
+    order = [name for name in peaks if name != "graph build"]  # export's stages, in the order they ran
+    assert all(peaks[a] <= peaks[b] for a, b in zip(order, order[1:]))  # a high-water mark
+    assert peaks["graph build"] <= peaks[order[0]]
