@@ -1,9 +1,10 @@
-"""The frozen inference GraphDef (variables folded into constants) the ONNX model is made from."""
+"""The frozen inference GraphDef: the serving graph with its variables folded into constants."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import tensorflow as tf
 
 from policy_export.exporter.context import ExportContext, FormatRecord
@@ -94,9 +95,71 @@ def _xent_nodes(classes: int, dtype: tf.DType, label_dtype: tf.DType) -> list:
 
 
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
-    """Write the frozen GraphDef to ``target``."""
-    graph_def = ctx.frozen_graph_def()
-    target.write_bytes(graph_def.SerializeToString())
+    """Write the frozen GraphDef to ``target``.
+
+    The graph is the weightless skeleton (:func:`exporter.onnx_convert.skeleton`) with each variable
+    placeholder written as a constant holding the session's value, streamed node by node
+    (:func:`stream_graph_def`): one variable's bytes in memory at a time, not a GraphDef holding
+    every weight and then its serialisation. A graph the skeleton cannot stand for is frozen by
+    TensorFlow's converter instead; the file is the same GraphDef either way.
+    """
+    from policy_export.exporter.onnx_convert import NoSkeleton, skeleton
+
+    output_nodes = sorted({t.op.name for t in ctx.signature.outputs.values()})
+    try:
+        graph_def, weights = skeleton(ctx.policy, output_nodes)
+    except NoSkeleton:
+        graph_def, weights = ctx.frozen_graph_def(), {}
+    nodes = stream_graph_def(graph_def, target, _constant_values(ctx.policy.session, weights))
     present = {n.name for n in graph_def.node}
     kept = [k for k, t in ctx.signature.inputs.items() if t.op.name in present]
-    return FormatRecord("frozen_graph", (target.name,), {"nodes": len(graph_def.node), "inputs_kept": kept})
+    return FormatRecord("frozen_graph", (target.name,), {"nodes": nodes, "inputs_kept": kept})
+
+
+def _constant_values(session, weights):
+    """Placeholder node name -> a callable returning its value from the session (read when written)."""
+    return {name.split(":")[0]: (lambda tensor=tensor: session.run(tensor)) for name, tensor in weights.items()}
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+_NODE, _LIBRARY, _VERSIONS = 1, 2, 4  # GraphDef's field numbers
+
+
+def stream_graph_def(graph_def: tf1.GraphDef, target: Path, constants=None) -> int:
+    """Serialise ``graph_def`` to ``target`` one node at a time; the nodes named in ``constants``
+    (name -> callable returning the value) are written as ``Const`` nodes holding that value.
+    Returns the node count. The bytes are a GraphDef as ``SerializeToString`` would write it
+    (protobuf allows a message's fields in any order)."""
+    constants = constants or {}
+    with open(target, "wb") as f:
+        for node in graph_def.node:
+            if node.name in constants:
+                value = np.asarray(constants[node.name]())
+                const = tf1.NodeDef(name=node.name, op="Const")
+                const.attr["dtype"].type = node.attr["dtype"].type
+                const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+                del value
+                f.write(_field(_NODE, const.SerializeToString()))
+                del const
+            else:
+                f.write(_field(_NODE, node.SerializeToString()))
+        if graph_def.HasField("library"):
+            f.write(_field(_LIBRARY, graph_def.library.SerializeToString()))
+        f.write(_field(_VERSIONS, graph_def.versions.SerializeToString()))
+    return len(graph_def.node)

@@ -53,8 +53,25 @@ class Converted:
     route: str  # "skeleton" or "frozen"
     nchw: list[str] = field(default_factory=list)  # inputs transposed to NCHW
     weights: int = 0
-    folded: int = 0
-    notes: list[str] = field(default_factory=list)
+    session: Any = None
+    weight_tensors: Mapping[str, Any] = field(default_factory=dict)  # weight input -> session tensor
+
+    def take(self, which: str):
+        """``"full"`` or ``"deterministic"``, with its weights read in from the session and the
+        ops that only reshape a weight folded; the model is no longer held here afterwards.
+
+        Raises:
+            ExportError: that model was taken already (or the policy has no deterministic outputs).
+        """
+        model = getattr(self, which)
+        if model is None:
+            raise ExportError(f"the {which} ONNX model is not available (taken already, or not converted)")
+        setattr(self, which, None)
+        graph = model.graph
+        used = names_read(graph) | {o.name for o in graph.output}
+        _weights_in(graph, self.session, {k: t for k, t in self.weight_tensors.items() if k in used})
+        fold_weight_ops(graph)
+        return model
 
 
 def convert_both(ctx) -> Converted:
@@ -71,7 +88,7 @@ def convert_both(ctx) -> Converted:
     try:
         graph_def, weights = skeleton(ctx.policy, sorted({n.split(":")[0] for n in outputs}))
         route = "skeleton"
-    except _NoSkeleton as e:
+    except NoSkeleton as e:
         log.info("converting the frozen graph: %s", e)
         graph_def, weights, route = None, {}, "frozen"
     model = None
@@ -87,15 +104,15 @@ def convert_both(ctx) -> Converted:
         graph_def = frozen_graph.freeze_tensors(ctx.policy, list(outputs))
         model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, [])
     del graph_def
-    _weights_in(model.graph, ctx.policy.session, weights)
-    folded = fold_weight_ops(model.graph)
-    full = prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract)
+    # split first, weights after: each model gets its weights from the session when it is taken,
+    # so at most one model's weights are in memory at a time
+    full = prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract, set(weights))
     deterministic = None
     if det is not None:
         pairs = [(outputs_key(sig, det, k), k) for k in det.outputs]
-        deterministic = prune(model, pairs, det.contract, sig.contract)
+        deterministic = prune(model, pairs, det.contract, sig.contract, set(weights))
     del model
-    return Converted(full, deterministic, route, nchw, len(weights), folded)
+    return Converted(full, deterministic, route, nchw, len(weights), session=ctx.policy.session, weight_tensors=weights)
 
 
 def outputs_key(sig, det, key: str) -> str:
@@ -118,8 +135,8 @@ def _union_outputs(sig, det) -> dict[str, str]:
     return outputs
 
 
-class _NoSkeleton(Exception):
-    pass
+class NoSkeleton(Exception):
+    """The graph's variables are used other than by plain reads."""
 
 
 def skeleton(policy, output_nodes: list[str]):
@@ -127,7 +144,7 @@ def skeleton(policy, output_nodes: list[str]):
     weight inputs: placeholder tensor name -> the session tensor holding its value.
 
     Raises:
-        _NoSkeleton: a variable is used other than by plain reads.
+        NoSkeleton: a variable is used other than by plain reads.
     """
     import tensorflow as tf
     from tensorflow.core.framework import attr_value_pb2
@@ -152,7 +169,7 @@ def skeleton(policy, output_nodes: list[str]):
         elif node.op in _REF_READERS and variables[sources[0]].op != "VarHandleOp":
             weights.setdefault(f"{sources[0]}:0", policy.graph.get_tensor_by_name(f"{sources[0]}:0"))
         else:
-            raise _NoSkeleton(f"variable {sources[0]} is used by a {node.op} op ({node.name})")
+            raise NoSkeleton(f"variable {sources[0]} is used by a {node.op} op ({node.name})")
     for node in variables.values():
         dtype, shape = node.attr["dtype"], node.attr["shape"]
         node.op = "Placeholder"
@@ -163,7 +180,7 @@ def skeleton(policy, output_nodes: list[str]):
         node.device = ""
     missing = [n for n in variables if f"{n}:0" not in weights]
     if missing:
-        raise _NoSkeleton(f"variables {missing} are never read")
+        raise NoSkeleton(f"variables {missing} are never read")
     return replace_sparse_softmax_cross_entropy(graph_def), weights
 
 
@@ -235,10 +252,11 @@ def fold_weight_ops(graph) -> int:
     return folded
 
 
-def prune(model, outputs: list[tuple[str, str]], contract, full_contract):
+def prune(model, outputs: list[tuple[str, str]], contract, full_contract, weight_inputs=frozenset()):
     """A new model with what ``outputs`` (converted name, key) need: nodes, initializers (If/Loop
     bodies' reads counted) and the ``contract``'s inputs; an input of ``full_contract`` that is
-    not in ``contract`` but is read becomes a constant holding its default."""
+    not in ``contract`` but is read becomes a constant holding its default. Graph inputs named in
+    ``weight_inputs`` that are read stay inputs (the weights go in later)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     need: set[str] = set()
@@ -268,7 +286,7 @@ def prune(model, outputs: list[tuple[str, str]], contract, full_contract):
     defaults = {s.key: s for s in full_contract.inputs if not s.required}
     initialized = {i.name for i in g.initializer}
     for value in graph.input:
-        if value.name in own:
+        if value.name in own or (value.name in weight_inputs and value.name in need):
             g.input.append(value)
         elif value.name in need and value.name not in initialized:
             spec = defaults.get(value.name)

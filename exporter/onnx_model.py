@@ -155,7 +155,7 @@ def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
     """Save ``model.onnx`` (converted together with the deterministic model, see :mod:`exporter.onnx_convert`)."""
     converted = ctx.onnx_models()
-    model = converted.full
+    model = converted.take("full")
     finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
     files = save(model, target, ctx.external_data_threshold)
     record = FormatRecord("onnx", files, {
@@ -163,7 +163,6 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
         "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     })
-    converted.full = None  # free it: the file is written
     return record
 
 
@@ -178,9 +177,9 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
 
     sig = build_deterministic_signature(ctx.policy)
     converted = ctx.onnx_models()
-    model = converted.deterministic
-    if sig is None or model is None:
+    if sig is None or converted.deterministic is None:
         raise ExportError("the policy exposes no deterministic outputs; leave 'onnx_deterministic' out of the formats")
+    model = converted.take("deterministic")
     unwanted = sorted({n.op_type for n in model.graph.node} & (RANDOM_OPS | {"If", "Loop"}))
     if unwanted:
         raise ExportError(f"the deterministic model still holds {unwanted}")
@@ -190,7 +189,6 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
         "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
         "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     })
-    converted.deterministic = None
     return record
 
 
@@ -210,22 +208,25 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     return None
 
 
-def check_file(path: Path) -> None:
-    """Run ``onnx.checker`` on a model file before any runtime loads it.
+def check_file(path: Path):
+    """Check a model file before any runtime loads it: its external data locations
+    (:func:`check_external_data`), then ``onnx.checker``. Returns the parsed model without its
+    external data.
 
     Raises:
         ExportError: the file is missing or is not a valid ONNX model.
     """
     if not Path(path).is_file():
         raise ExportError(f"{path} does not exist")
-    check_external_data(Path(path))
+    model = check_external_data(Path(path))
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:  # DecodeError, ValidationError, OSError...
         raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    return model
 
 
-def check_external_data(path: Path) -> None:
+def check_external_data(path: Path):
     """Every external data file the model names must be a plain file name beside it (no path
     separators, no ``..``) that exists as a regular file; checked before anything reads it.
 
@@ -249,17 +250,20 @@ def check_external_data(path: Path) -> None:
         if data.is_symlink() or not data.is_file():
             raise ExportError(f"{path}: external data file {location} of tensor {tensor.name!r} is missing "
                               "or not a regular file")
+    return model
 
 
 def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                      optimization: str = "all", provider_options: list[dict[str, str]] | None = None):
+                      optimization: str = "all", provider_options: list[dict[str, str]] | None = None,
+                      prepack: bool = True):
     """An ``onnxruntime.InferenceSession`` for an exported model, with the options that matter.
 
     ``threads``: intra- and inter-op threads (``1`` gives the lowest latency for small policies
     at small batches; ``None`` keeps ONNX Runtime's default, one per core). ``optimization``:
     ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (graph optimisation level).
     ``provider_options``: one dict per provider (e.g. ``DevicePlan.ort_provider_options()``, which
-    pins the CUDA provider's ``use_tf32``).
+    pins the CUDA provider's ``use_tf32``). ``prepack=False`` keeps ONNX Runtime from holding a
+    prepacked second copy of the weights.
 
     Raises:
         ExportError: an unknown optimisation level, or a file ONNX Runtime cannot load.
@@ -275,6 +279,8 @@ def inference_session(path: str | Path, providers: list[str] | None = None, thre
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.graph_optimization_level = levels[optimization]
+    if not prepack:  # prepacked weights are a second copy of them: parity trades a little speed for memory
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if threads:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = threads
@@ -308,12 +314,18 @@ class OnnxRunner(Runner):
     """
 
     def __init__(self, path: Path, device: DevicePlan, threads: int | None = None, contract: Contract | None = None):
-        check_file(path)
+        from policy_export.exporter.onnx_convert import head_model
+        from policy_export.signatures.keys import ACTION_DIST_INPUTS
+
+        model = check_file(path)
+        # the action head is cut now, while the parsed model is at hand (not beside the session)
+        self._head = head_model(model, ACTION_DIST_INPUTS)
+        del model
         self.path = Path(path)
         self.label = f"ONNX model {path}"
         self.contract = contract
         self.session = inference_session(path, list(device.ort_providers), threads,
-                                         provider_options=device.ort_provider_options())
+                                         provider_options=device.ort_provider_options(), prepack=False)
         self.provider_options = self.session.get_provider_options()
         self.providers = self.session.get_providers()
         meta = self.session.get_modelmeta().custom_metadata_map
@@ -336,14 +348,7 @@ class OnnxRunner(Runner):
     def head(self):
         """The model cut at ``action_dist_inputs`` (:func:`exporter.onnx_convert.head_model`), in its
         own small ONNX Runtime session; ``None`` when it cannot be cut there."""
-        from policy_export.exporter.onnx_convert import head_model
-        from policy_export.signatures.keys import ACTION_DIST_INPUTS
-
-        if ACTION_DIST_INPUTS not in self.outputs:
-            return None
-        model = onnx.load(str(self.path), load_external_data=False)
-        cut = head_model(model, ACTION_DIST_INPUTS)
-        del model
+        cut = self._head
         if cut is None:
             return None
         import onnxruntime as ort

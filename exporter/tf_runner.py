@@ -53,6 +53,40 @@ def glob_free_path(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+LARGE_CONSTANT = 1 << 20  # bytes: constants at least this large are fed rather than built into the session
+
+
+def _aligned(value: np.ndarray, alignment: int = 64) -> np.ndarray:
+    """``value`` in a buffer aligned as TensorFlow wants it, so feeding it copies nothing."""
+    raw = np.empty(value.nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    out = raw[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
+
+
+def _lift_large_constants(graph_def) -> dict[str, np.ndarray]:
+    """Turn each ``Const`` node of at least :data:`LARGE_CONSTANT` bytes into a placeholder of its
+    dtype and shape, and return its value (name -> array) to be fed on every run.
+
+    A TensorFlow session keeps several copies of every constant it is given (the graph it was
+    built from, its own graph, the kernels' tensors); fed, the file's weights are held once. The
+    values are the file's own, so the graph computes what it computes with them built in."""
+    lifted = {}
+    for node in graph_def.node:
+        if node.op != "Const" or node.attr["value"].tensor.ByteSize() < LARGE_CONSTANT:
+            continue
+        value = tf.make_ndarray(node.attr["value"].tensor)
+        lifted[node.name] = _aligned(value)
+        del value
+        dtype = node.attr["dtype"].type
+        node.op = "Placeholder"
+        node.ClearField("attr")
+        node.attr["dtype"].type = dtype
+        node.attr["shape"].shape.CopyFrom(tf.TensorShape(lifted[node.name].shape).as_proto())
+    return lifted
+
+
 def _meta(key: str, tensor: tf.Tensor) -> TensorMeta:
     shape = tuple(tensor.shape.as_list()) if tensor.shape.rank is not None else None
     return TensorMeta(key, np.dtype(tensor.dtype.as_numpy_dtype).name, shape)
@@ -116,6 +150,7 @@ class TFGraphRunner(Runner):
         except Exception as e:  # protobuf raises its own DecodeError
             raise ExportError(f"{path} is not a serialized GraphDef: {e}") from e
         check_graph_def(graph_def, str(path))  # before any of its ops can run
+        constants = _lift_large_constants(graph_def)
         graph = tf.Graph()
         try:
             with graph.as_default(), tf.device(device.tf_device):
@@ -127,20 +162,30 @@ class TFGraphRunner(Runner):
         except (ValueError, KeyError, tf.errors.OpError) as e:
             raise ExportError(f"{path} does not hold the export's signature tensors: {e}") from e
         del graph_def
-        session = tf1.Session(graph=graph, config=session_config(device.tf_device))
+        config = session_config(device.tf_device)
+        # grappler rewrites the GraphDef pass after pass, each copy holding every folded weight:
+        # for a frozen graph that costs many times the weights in memory and computes nothing new
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        session = tf1.Session(graph=graph, config=config)
         pruned = frozenset(tensor_names["inputs"]) - set(inputs)
-        return cls(graph, session, inputs, outputs, f"frozen graph {path}", accepted=pruned, contract=contract)
+        runner = cls(graph, session, inputs, outputs, f"frozen graph {path}", accepted=pruned, contract=contract)
+        runner._constants = {graph.get_tensor_by_name(f"{name}:0"): value for name, value in constants.items()}
+        return runner
 
     def head(self):
         return tf_head(self.session, self.input_tensors, self.output_tensors)
 
+    _constants: dict = {}
+
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed_dict = {self.input_tensors[k]: v for k, v in feeds.items() if k in self.input_tensors}
+        feed_dict.update(self._constants)
         values = self.session.run(self.output_tensors, feed_dict)
         return {k: np.asarray(v) for k, v in values.items()}
 
     def _close(self) -> None:
         self.session.close()
+        self._constants = {}
 
 
 def tf_head(session, inputs: Mapping[str, tf.Tensor], outputs: Mapping[str, tf.Tensor]):

@@ -12,7 +12,7 @@ class FrozenGraphFormat(Format):
     name = "frozen_graph"
     path = "frozen_graph.pb"
     order = 20
-    capabilities = Capabilities(reference=True, needs_frozen_graph=True)
+    capabilities = Capabilities(reference=True)
 
     def write(self, ctx, target: Path):
         from policy_export.exporter import frozen_graph
