@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import gc
 import json
 import time
 import logging
@@ -42,7 +41,7 @@ from policy_export.exporter.plan import (
     GOLDEN_INPUTS, GOLDEN_OUTPUTS, ExplorationPlan, ParityPlan, SteppedPlan, load_plan, write_plan,
 )
 from policy_export.exporter.plan import manifest_record as parity_manifest_record
-from policy_export.exporter.progress import SILENT, Counted, MemoryTrace, Progress, peak_rss_mb
+from policy_export.exporter.progress import SILENT, Counted, MemoryTrace, Progress, peak_rss_mb, release_memory
 from policy_export.exporter.staging import check_target, staged_directory
 from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, run_stepped, run_training_graph, stepped_inputs,
@@ -220,7 +219,7 @@ def export_policy(
             with _stage(timings, f"write {fmt.name}", progress):
                 records[fmt.name] = fmt.write(ctx, stage / fmt.path)
         ctx.release()  # the frozen graph and the converted models hold weights no later stage needs
-        gc.collect()
+        release_memory()
         parity_start = time.perf_counter()
         explores = explore_samples > 0 and EXPLORE in signature.inputs
         steps = policy.is_recurrent and policy.sequence_graph is not None and stepped_steps > 0

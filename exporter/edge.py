@@ -292,7 +292,8 @@ def write_compressed_onnx(ctx: ExportContext, target: Path, name: str, kind: str
     model, sig = deterministic_onnx(ctx, target.parent)
     out = quantize_onnx_int8(model) if kind == "int8" else convert_onnx_fp16(model)
     del model
-    files = onnx_model.save(out, target, ctx.external_data_threshold)  # checked by path, external data over the threshold
+    files = onnx_model.save(out, target, ctx.external_data_threshold)  # external data over the threshold
+    onnx_model.check_saved(target)
     details = {"opset": ctx.opset, "nodes": len(out.graph.node), "source": "model_deterministic.onnx's conversion",
                "inputs": sig.contract.input_keys, "outputs": sig.contract.output_keys,
                "ops": sorted({n.op_type for n in out.graph.node}),

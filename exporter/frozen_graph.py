@@ -141,6 +141,36 @@ def _field(number: int, payload: bytes) -> bytes:
 _NODE, _LIBRARY, _VERSIONS = 1, 2, 4  # GraphDef's field numbers
 
 
+def _const_node(name: str, dtype: int, value: np.ndarray):
+    """The GraphDef ``node`` field of a ``Const`` node holding ``value``, as byte chunks whose last
+    is the array's own buffer (nothing copies the weights; protobuf allows fields in any order).
+
+    NodeDef{name, op, attr{"dtype"}, attr{"value": AttrValue{tensor: TensorProto{dtype, shape,
+    tensor_content}}}}, with ``tensor_content`` written last at every level."""
+    head = tf1.NodeDef(name=name, op="Const")
+    head.attr["dtype"].type = dtype
+    tensor = tf.make_tensor_proto(np.zeros((), value.dtype))  # dtype and shape fields, no content
+    tensor.ClearField("float_val")
+    tensor.ClearField("double_val")
+    tensor.ClearField("int_val")
+    tensor.ClearField("int64_val")
+    tensor.ClearField("bool_val")
+    tensor.ClearField("half_val")
+    tensor.ClearField("tensor_content")
+    tensor.tensor_shape.CopyFrom(tf.TensorShape(value.shape).as_proto())
+    content = memoryview(value).cast("B")
+    tensor_head = tensor.SerializeToString() + _varint(4 << 3 | 2) + _varint(content.nbytes)  # tensor_content = 4
+    tensor_len = len(tensor_head) + content.nbytes
+    attr_head = _varint(8 << 3 | 2) + _varint(tensor_len)  # AttrValue.tensor = 8
+    attr_len = len(attr_head) + tensor_len
+    key = b"value"
+    entry_head = _varint(1 << 3 | 2) + _varint(len(key)) + key + _varint(2 << 3 | 2) + _varint(attr_len)
+    entry_len = len(entry_head) + attr_len
+    node_head = head.SerializeToString() + _varint(5 << 3 | 2) + _varint(entry_len)  # NodeDef.attr = 5
+    node_len = len(node_head) + entry_len
+    return [_varint(_NODE << 3 | 2) + _varint(node_len) + node_head + entry_head + attr_head + tensor_head, content]
+
+
 def stream_graph_def(graph_def: tf1.GraphDef, target: Path, constants=None) -> int:
     """Serialise ``graph_def`` to ``target`` one node at a time; the nodes named in ``constants``
     (name -> callable returning the value) are written as ``Const`` nodes holding that value.
@@ -150,13 +180,10 @@ def stream_graph_def(graph_def: tf1.GraphDef, target: Path, constants=None) -> i
     with open(target, "wb") as f:
         for node in graph_def.node:
             if node.name in constants:
-                value = np.asarray(constants[node.name]())
-                const = tf1.NodeDef(name=node.name, op="Const")
-                const.attr["dtype"].type = node.attr["dtype"].type
-                const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+                value = np.require(constants[node.name](), requirements="C")  # keeps 0-d arrays 0-d
+                for chunk in _const_node(node.name, node.attr["dtype"].type, value):
+                    f.write(chunk)
                 del value
-                f.write(_field(_NODE, const.SerializeToString()))
-                del const
             else:
                 f.write(_field(_NODE, node.SerializeToString()))
         if graph_def.HasField("library"):

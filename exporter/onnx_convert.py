@@ -209,9 +209,15 @@ def _weights_in(graph, session, weights: Mapping[str, Any]) -> None:
     names = set(weights)
     keep = [i for i in graph.input if i.name not in names]
     for name, tensor in weights.items():
-        value = session.run(tensor)
-        graph.initializer.append(numpy_helper.from_array(np.asarray(value), name))
-        del value
+        value = np.asarray(session.run(tensor))
+        init = graph.initializer.add()
+        init.name = name
+        init.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+        init.dims.extend(value.shape)
+        raw = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+        del value  # one copy of this weight at a time besides the model's
+        init.raw_data = raw
+        del raw
     del graph.input[:]
     graph.input.extend(keep)
 
@@ -242,7 +248,7 @@ def fold_weight_ops(graph) -> int:
                 value = np.transpose(value, attrs.get("perm"))
             elif node.op_type == "Cast":
                 value = value.astype(helper.tensor_dtype_to_np_dtype(attrs["to"]))
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), node.output[0]))
+            graph.initializer.append(numpy_helper.from_array(np.require(value, requirements="C"), node.output[0]))
             graph.node.remove(node)
             if consumers.get(source.name, 0) <= 1 and source.name not in outputs:
                 graph.initializer.remove(source)

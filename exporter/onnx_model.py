@@ -120,19 +120,17 @@ def _name_batch_dims(graph: onnx.GraphProto, contract: Contract) -> None:
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the model's initializers."""
-    return sum(len(i.raw_data) or numpy_helper.to_array(i).nbytes for i in model.graph.initializer)
+    """Bytes of the model's initializers (their serialised size: nothing is copied to count it)."""
+    return sum(i.ByteSize() for i in model.graph.initializer)
 
 
 def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD) -> tuple[str, ...]:
-    """Save ``model`` to ``target`` and run the full ONNX checker on the file; returns the file
-    names written (the model, and its external data file when there is one).
+    """Save ``model`` to ``target`` (the checker is :func:`check_saved`, run once the caller has let
+    go of the model); returns the file names written (the model, and its external data file when
+    there is one).
 
     Models whose weights exceed ``external_threshold`` bytes keep them in ``<target>.data`` beside
     the model (ONNX external data): a single protobuf cannot exceed 2 GiB.
-
-    Raises:
-        ExportError: the checker fails.
     """
     files = [target.name]
     if weight_bytes(model) > external_threshold:
@@ -145,11 +143,19 @@ def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT
         files.append(location)
     else:
         onnx.save_model(model, str(target))
+    return tuple(files)
+
+
+def check_saved(target: Path) -> None:
+    """The full ONNX checker on a saved model file.
+
+    Raises:
+        ExportError: the checker fails.
+    """
     try:
         onnx.checker.check_model(str(target), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ExportError(f"the ONNX model fails onnx.checker: {e}") from e
-    return tuple(files)
 
 
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
@@ -157,13 +163,15 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     converted = ctx.onnx_models()
     model = converted.take("full")
     finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
-    files = save(model, target, ctx.external_data_threshold)
-    record = FormatRecord("onnx", files, {
+    details = {
         "opset": ctx.opset, "nodes": len(model.graph.node),
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
         "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
-    })
-    return record
+    }
+    files = save(model, target, ctx.external_data_threshold)
+    del model  # the checker reads the file: the model's weights need not be in memory twice
+    check_saved(target)
+    return FormatRecord("onnx", files, details)
 
 
 def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
@@ -184,12 +192,14 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
     if unwanted:
         raise ExportError(f"the deterministic model still holds {unwanted}")
     finish_model(model, sig.contract, ctx.opset, [k for k in converted.nchw if k in sig.contract.input_keys])
-    files = save(model, target, ctx.external_data_threshold)
-    record = FormatRecord("onnx_deterministic", files, {
+    details = {
         "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
         "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
-    })
-    return record
+    }
+    files = save(model, target, ctx.external_data_threshold)
+    del model
+    check_saved(target)
+    return FormatRecord("onnx_deterministic", files, details)
 
 
 def nchw_inputs(model: onnx.ModelProto) -> list[str]:

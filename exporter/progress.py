@@ -79,6 +79,20 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+def release_memory(collect: bool = True) -> None:
+    """Collect garbage (``collect``) and hand the C heap's free memory back to the system (glibc's
+    ``malloc_trim``, where there is one), so a stage's freed buffers do not raise the next one's peak."""
+    import ctypes
+    import gc
+
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class MemoryTrace(Progress):
     """Passes every stage on to ``inner`` and records the process's peak resident memory when each
     stage ends (``peaks``: stage -> MiB); where the peak jumps is the stage that needed the memory."""
@@ -94,6 +108,7 @@ class MemoryTrace(Progress):
                 yield task
         finally:
             self.peaks[name] = peak_rss_mb()
+            release_memory(collect=False)
 
     def close(self, failed: bool = False) -> None:
         self.inner.close(failed)
