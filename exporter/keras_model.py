@@ -56,6 +56,7 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     try:
         model = keras.Model.from_config(policy.model.get_config())
         model.set_weights(weights)
+        del weights  # the model holds them now
         model.save(str(target / SAVED_MODEL), save_format="tf", include_optimizer=False)
         model.save(str(target / KERAS_FILE), save_format="keras")
         with warnings.catch_warnings():
@@ -160,10 +161,10 @@ class KerasRunner(Runner):
         return {k: np.asarray(v) for k, v in zip(output_keys(len(outs)), outs)}
 
     def _close(self) -> None:
+        import gc
+
+        import tf_keras as keras
+
         self._model = self._fn = self._keep = None
-
-
-def open_all(directory: Path, output_names: list[str] | None = None) -> dict[str, KerasRunner]:
-    """One runner per Keras file under ``directory`` (an export's ``keras/``), keyed
-    ``keras_saved_model``, ``keras_v3``, ``keras_h5``."""
-    return {fmt: KerasRunner(directory / name, output_names) for fmt, name in FORMATS.items()}
+        keras.backend.clear_session()  # Keras keeps models alive in its global state otherwise
+        gc.collect()

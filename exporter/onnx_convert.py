@@ -63,15 +63,57 @@ class Converted:
         Raises:
             ExportError: that model was taken already (or the policy has no deterministic outputs).
         """
+        model, lazy = self.take_lazy(which)
+        for name, weight in lazy.items():
+            model.graph.initializer.append(_initializer(name, weight.value()))
+        return model
+
+    def take_lazy(self, which: str) -> tuple[Any, dict[str, "LazyWeight"]]:
+        """Like :meth:`take`, but the weights stay in the session: the model declares none of them,
+        and each :class:`LazyWeight` (name -> weight) reads its value when it is written
+        (:func:`exporter.onnx_model.save`), so that one weight at a time is in memory."""
         model = getattr(self, which)
         if model is None:
             raise ExportError(f"the {which} ONNX model is not available (taken already, or not converted)")
         setattr(self, which, None)
         graph = model.graph
         used = names_read(graph) | {o.name for o in graph.output}
-        _weights_in(graph, self.session, {k: t for k, t in self.weight_tensors.items() if k in used})
-        fold_weight_ops(graph)
-        return model
+        weights = {k: t for k, t in self.weight_tensors.items() if k in used}
+        keep = [i for i in graph.input if i.name not in weights]
+        del graph.input[:]
+        graph.input.extend(keep)
+        lazy = {name: LazyWeight(np.dtype(t.dtype.as_numpy_dtype), tuple(t.shape.as_list()),
+                                 lambda t=t: np.asarray(self.session.run(t))) for name, t in weights.items()}
+        fold_weight_ops(graph, lazy)
+        return model, lazy
+
+
+@dataclass
+class LazyWeight:
+    """A weight that is read when it is written: dtype, shape, and how to compute its value."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    value: Any  # () -> np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _initializer(name: str, value: np.ndarray):
+    tensor = onnx.TensorProto()
+    tensor.name = name
+    tensor.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+    tensor.dims.extend(value.shape)
+    tensor.raw_data = little_endian(value).tobytes()
+    return tensor
+
+
+def little_endian(value: np.ndarray) -> np.ndarray:
+    """``value`` as ONNX stores raw data: C order, little-endian (no copy where it is already)."""
+    value = np.require(value, requirements="C")
+    return value.astype(value.dtype.newbyteorder("<"), copy=False)
 
 
 def convert_both(ctx) -> Converted:
@@ -202,29 +244,11 @@ def _tf2onnx(ctx, graph_def, sig, outputs: Mapping[str, str], weight_inputs: lis
     return model, nchw
 
 
-def _weights_in(graph, session, weights: Mapping[str, Any]) -> None:
-    """Each weight input becomes an initializer holding the session's value (one variable at a time)."""
-    if not weights:
-        return
-    names = set(weights)
-    keep = [i for i in graph.input if i.name not in names]
-    for name, tensor in weights.items():
-        value = np.asarray(session.run(tensor))
-        init = graph.initializer.add()
-        init.name = name
-        init.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
-        init.dims.extend(value.shape)
-        raw = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
-        del value  # one copy of this weight at a time besides the model's
-        init.raw_data = raw
-        del raw
-    del graph.input[:]
-    graph.input.extend(keep)
-
-
-def fold_weight_ops(graph) -> int:
-    """Fold ``Transpose``/``Cast``/``Identity`` nodes whose only input is an initializer into a new
-    initializer (tf2onnx leaves them when the weights are inputs); returns how many were folded."""
+def fold_weight_ops(graph, lazy: dict[str, LazyWeight] | None = None) -> int:
+    """Fold ``Transpose``/``Cast``/``Identity`` nodes whose only input is a weight (an initializer,
+    or one of ``lazy``) into a new weight (tf2onnx leaves them when the weights are inputs); returns
+    how many were folded. A lazy weight's fold is applied when its value is read."""
+    lazy = lazy if lazy is not None else {}
     inputs = {i.name for i in graph.input}
     folded = 0
     changed = True
@@ -237,21 +261,35 @@ def fold_weight_ops(graph) -> int:
                 consumers[name] = consumers.get(name, 0) + 1
         outputs = {o.name for o in graph.output}
         for node in list(graph.node):
-            if node.op_type not in _FOLDABLE or len(node.input) != 1 or node.input[0] not in initializers:
+            if node.op_type not in _FOLDABLE or len(node.input) != 1 or node.output[0] in outputs:
                 continue
-            if node.output[0] in outputs:
+            source = node.input[0]
+            if source not in initializers and source not in lazy:
                 continue
-            source = initializers[node.input[0]]
-            value = numpy_helper.to_array(source)
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            if node.op_type == "Transpose":
-                value = np.transpose(value, attrs.get("perm"))
-            elif node.op_type == "Cast":
-                value = value.astype(helper.tensor_dtype_to_np_dtype(attrs["to"]))
-            graph.initializer.append(numpy_helper.from_array(np.require(value, requirements="C"), node.output[0]))
+            perm = attrs.get("perm") if node.op_type == "Transpose" else None
+            cast = helper.tensor_dtype_to_np_dtype(attrs["to"]) if node.op_type == "Cast" else None
+
+            def apply(value, node_type=node.op_type, perm=perm, cast=cast):
+                if node_type == "Transpose":
+                    return np.transpose(value, perm)
+                return value.astype(cast) if node_type == "Cast" else value
+
+            if source in lazy:
+                weight = lazy[source]
+                shape = weight.shape
+                if node.op_type == "Transpose":
+                    shape = tuple(shape[i] for i in perm) if perm else tuple(reversed(shape))
+                lazy[node.output[0]] = LazyWeight(np.dtype(cast) if cast is not None else weight.dtype, shape,
+                                                  lambda w=weight, f=apply: f(w.value()))
+                if consumers.get(source, 0) <= 1:
+                    del lazy[source]
+            else:
+                value = apply(numpy_helper.to_array(initializers[source]))
+                graph.initializer.append(_initializer(node.output[0], value))
+                if consumers.get(source, 0) <= 1:
+                    graph.initializer.remove(initializers[source])
             graph.node.remove(node)
-            if consumers.get(source.name, 0) <= 1 and source.name not in outputs:
-                graph.initializer.remove(source)
             folded += 1
             changed = True
             break

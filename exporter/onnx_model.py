@@ -124,26 +124,97 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return sum(i.ByteSize() for i in model.graph.initializer)
 
 
-def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD) -> tuple[str, ...]:
+def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
+         lazy: Mapping[str, Any] | None = None) -> tuple[str, ...]:
     """Save ``model`` to ``target`` (the checker is :func:`check_saved`, run once the caller has let
     go of the model); returns the file names written (the model, and its external data file when
     there is one).
 
+    ``lazy`` (name -> :class:`~exporter.onnx_convert.LazyWeight`) are initializers the model does
+    not hold yet: each is read and written in turn, so that one of them is in memory at a time.
     Models whose weights exceed ``external_threshold`` bytes keep them in ``<target>.data`` beside
     the model (ONNX external data): a single protobuf cannot exceed 2 GiB.
     """
+    lazy = dict(lazy or {})
     files = [target.name]
-    if weight_bytes(model) > external_threshold:
+    if weight_bytes(model) + sum(w.nbytes for w in lazy.values()) > external_threshold:
         location = f"{target.name}.data"
+        _write_external(model, target.parent / location, location, lazy)
         onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=location, size_threshold=1024, convert_attribute=False)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(target.parent / location, 0o666 & ~umask)  # onnx writes it private; it is part of the export
+        os.chmod(target.parent / location, 0o666 & ~umask)  # written private; it is part of the export
         files.append(location)
     else:
-        onnx.save_model(model, str(target))
+        with open(target, "wb") as f:
+            f.write(model.SerializeToString())
+            _append_initializers(f, lazy)
     return tuple(files)
+
+
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str, lazy: Mapping[str, Any]) -> None:
+    """Write each lazy weight to ``data_path`` and add it to ``model`` as an external initializer
+    (``onnx.save_model`` then appends the model's own large initializers to the same file)."""
+    from policy_export.exporter.onnx_convert import little_endian
+
+    with open(data_path, "wb") as f:
+        for name, weight in lazy.items():
+            value = little_endian(weight.value())
+            offset = f.tell()
+            f.write(memoryview(value).cast("B"))
+            tensor = model.graph.initializer.add()
+            tensor.name = name
+            tensor.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+            tensor.dims.extend(value.shape)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, val in (("location", location), ("offset", str(offset)), ("length", str(value.nbytes))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, val
+            del value
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9  # field numbers in onnx.proto
+
+
+def _append_initializers(f, lazy: Mapping[str, Any]) -> None:
+    """Append the lazy weights to a serialised ModelProto as a second ``graph`` field holding only
+    initializers: protobuf merges a message field that appears twice, so the model's graph gains
+    them. Each tensor's raw data is written from the array's own buffer."""
+    from policy_export.exporter.onnx_convert import little_endian
+
+    if not lazy:
+        return
+    heads = {}
+    for name, weight in lazy.items():
+        tensor = onnx.TensorProto()
+        tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(weight.dtype)
+        tensor.dims.extend(weight.shape)
+        head = tensor.SerializeToString() + _varint(_TENSOR_RAW_DATA << 3 | 2) + _varint(weight.nbytes)
+        heads[name] = head
+    entries = {name: len(head) + lazy[name].nbytes for name, head in heads.items()}
+    graph_len = sum(len(_varint(_GRAPH_INITIALIZER << 3 | 2)) + len(_varint(n)) + n for n in entries.values())
+    f.write(_varint(_MODEL_GRAPH << 3 | 2) + _varint(graph_len))
+    for name, weight in lazy.items():
+        value = little_endian(weight.value())
+        if value.nbytes != weight.nbytes:
+            raise ExportError(f"weight {name} has {value.nbytes} bytes, expected {weight.nbytes}")
+        f.write(_varint(_GRAPH_INITIALIZER << 3 | 2) + _varint(entries[name]) + heads[name])
+        f.write(memoryview(value).cast("B"))
+        del value
 
 
 def check_saved(target: Path) -> None:
@@ -161,15 +232,15 @@ def check_saved(target: Path) -> None:
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
     """Save ``model.onnx`` (converted together with the deterministic model, see :mod:`exporter.onnx_convert`)."""
     converted = ctx.onnx_models()
-    model = converted.take("full")
+    model, lazy = converted.take_lazy("full")
     finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
     details = {
         "opset": ctx.opset, "nodes": len(model.graph.node),
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
         "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     }
-    files = save(model, target, ctx.external_data_threshold)
-    del model  # the checker reads the file: the model's weights need not be in memory twice
+    files = save(model, target, ctx.external_data_threshold, lazy)
+    del model, lazy  # the checker reads the file
     check_saved(target)
     return FormatRecord("onnx", files, details)
 
@@ -187,7 +258,7 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
     converted = ctx.onnx_models()
     if sig is None or converted.deterministic is None:
         raise ExportError("the policy exposes no deterministic outputs; leave 'onnx_deterministic' out of the formats")
-    model = converted.take("deterministic")
+    model, lazy = converted.take_lazy("deterministic")
     unwanted = sorted({n.op_type for n in model.graph.node} & (RANDOM_OPS | {"If", "Loop"}))
     if unwanted:
         raise ExportError(f"the deterministic model still holds {unwanted}")
@@ -196,8 +267,8 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
         "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
         "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
     }
-    files = save(model, target, ctx.external_data_threshold)
-    del model
+    files = save(model, target, ctx.external_data_threshold, lazy)
+    del model, lazy
     check_saved(target)
     return FormatRecord("onnx_deterministic", files, details)
 
@@ -218,10 +289,11 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     return None
 
 
-def check_file(path: Path):
+def check_file(path: Path, inspect=None):
     """Check a model file before any runtime loads it: its external data locations
-    (:func:`check_external_data`), then ``onnx.checker``. Returns the parsed model without its
-    external data.
+    (:func:`check_external_data`), then ``onnx.checker``. ``inspect`` (a function of the parsed
+    model, without its external data) runs in between and its result is returned; the parsed
+    model is let go before the checker reads the file again.
 
     Raises:
         ExportError: the file is missing or is not a valid ONNX model.
@@ -229,11 +301,13 @@ def check_file(path: Path):
     if not Path(path).is_file():
         raise ExportError(f"{path} does not exist")
     model = check_external_data(Path(path))
+    result = inspect(model) if inspect is not None else None
+    del model
     try:
         onnx.checker.check_model(str(path))
     except Exception as e:  # DecodeError, ValidationError, OSError...
         raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
-    return model
+    return result
 
 
 def check_external_data(path: Path):
@@ -327,10 +401,8 @@ class OnnxRunner(Runner):
         from policy_export.exporter.onnx_convert import head_model
         from policy_export.signatures.keys import ACTION_DIST_INPUTS
 
-        model = check_file(path)
-        # the action head is cut now, while the parsed model is at hand (not beside the session)
-        self._head = head_model(model, ACTION_DIST_INPUTS)
-        del model
+        # the action head is cut while the file is parsed for its checks (not beside the session)
+        self._head = check_file(path, lambda model: head_model(model, ACTION_DIST_INPUTS))
         self.path = Path(path)
         self.label = f"ONNX model {path}"
         self.contract = contract
