@@ -55,6 +55,7 @@ class Converted:
     weights: int = 0
     session: Any = None
     weight_tensors: Mapping[str, Any] = field(default_factory=dict)  # weight input -> session tensor
+    full_error: str = ""  # why the full model did not convert, when only the deterministic one did
 
     def take(self, which: str):
         """``"full"`` or ``"deterministic"``, with its weights read in from the session and the
@@ -73,6 +74,8 @@ class Converted:
         and each :class:`LazyWeight` (name -> weight) reads its value when it is written
         (:func:`exporter.onnx_model.save`), so that one weight at a time is in memory."""
         model = getattr(self, which)
+        if model is None and which == "full" and self.full_error:
+            raise ExportError(self.full_error)
         if model is None:
             raise ExportError(f"the {which} ONNX model is not available (taken already, or not converted)")
         setattr(self, which, None)
@@ -117,7 +120,10 @@ def little_endian(value: np.ndarray) -> np.ndarray:
 
 
 def convert_both(ctx) -> Converted:
-    """Convert the policy once for ``model.onnx`` and ``model_deterministic.onnx``.
+    """Convert the policy once for ``model.onnx`` and ``model_deterministic.onnx``. When the full
+    signature does not convert (a sampling branch tf2onnx cannot handle, say) but the deterministic
+    outputs exist, those are converted alone; taking the full model then raises the full model's
+    conversion error.
 
     Raises:
         ExportError: the conversion fails, or a model fails its checks.
@@ -126,35 +132,45 @@ def convert_both(ctx) -> Converted:
 
     sig = ctx.signature
     det = build_deterministic_signature(ctx.policy)
-    outputs = _union_outputs(sig, det)
+    full_error = ""
     try:
-        graph_def, weights = skeleton(ctx.policy, sorted({n.split(":")[0] for n in outputs}))
-        route = "skeleton"
-    except NoSkeleton as e:
-        log.info("converting the frozen graph: %s", e)
-        graph_def, weights, route = None, {}, "frozen"
-    model = None
-    if route == "skeleton":
-        try:
-            model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, list(weights))
-        except ExportError as e:
-            log.info("the skeleton does not convert (%s); converting the frozen graph", e)
-            route, weights = "frozen", {}
-    if route == "frozen":
-        from policy_export.exporter import frozen_graph
-
-        graph_def = frozen_graph.freeze_tensors(ctx.policy, list(outputs))
-        model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, [])
-    del graph_def
+        model, nchw, route, weights = _convert(ctx, sig, _union_outputs(sig, det))
+        pairs = [(outputs_key(sig, det, k), k) for k in det.outputs] if det is not None else []
+    except ExportError as e:
+        if det is None:
+            raise
+        log.info("the full signature does not convert (%s); converting the deterministic outputs alone", e)
+        full_error = str(e)
+        model, nchw, route, weights = _convert(ctx, sig, {t.name: DETERMINISTIC_PREFIX + k for k, t in det.outputs.items()})
+        pairs = [(DETERMINISTIC_PREFIX + k, k) for k in det.outputs]
     # split first, weights after: each model gets its weights from the session when it is taken,
     # so at most one model's weights are in memory at a time
-    full = prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract, set(weights))
-    deterministic = None
-    if det is not None:
-        pairs = [(outputs_key(sig, det, k), k) for k in det.outputs]
-        deterministic = prune(model, pairs, det.contract, sig.contract, set(weights))
+    full = None if full_error else prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract, set(weights))
+    deterministic = prune(model, pairs, det.contract, sig.contract, set(weights)) if det is not None else None
     del model
-    return Converted(full, deterministic, route, nchw, len(weights), session=ctx.policy.session, weight_tensors=weights)
+    return Converted(full, deterministic, route, nchw, len(weights), session=ctx.policy.session, weight_tensors=weights,
+                     full_error=full_error)
+
+
+def _convert(ctx, sig, outputs: Mapping[str, str]):
+    """One tf2onnx conversion of ``outputs`` (tensor name -> converted name): of the skeleton, or of
+    the frozen graph where the skeleton cannot stand for the graph or does not convert. Returns the
+    model, the NCHW inputs, the route and the weight inputs (name -> session tensor)."""
+    try:
+        graph_def, weights = skeleton(ctx.policy, sorted({n.split(":")[0] for n in outputs}))
+    except NoSkeleton as e:
+        log.info("converting the frozen graph: %s", e)
+    else:
+        try:
+            model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, list(weights))
+            return model, nchw, "skeleton", weights
+        except ExportError as e:
+            log.info("the skeleton does not convert (%s); converting the frozen graph", e)
+    from policy_export.exporter import frozen_graph
+
+    graph_def = frozen_graph.freeze_tensors(ctx.policy, list(outputs))
+    model, nchw = _tf2onnx(ctx, graph_def, sig, outputs, [])
+    return model, nchw, "frozen", {}
 
 
 def outputs_key(sig, det, key: str) -> str:
