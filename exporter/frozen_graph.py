@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from policy_export.exporter.protowire import field, header
 from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.policy.errors import ExportError
 
@@ -121,23 +122,6 @@ def _constant_values(session, weights):
     return {name.split(":")[0]: (lambda tensor=tensor: session.run(tensor)) for name, tensor in weights.items()}
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
 _NODE, _LIBRARY, _VERSIONS = 1, 2, 4  # GraphDef's field numbers
 
 
@@ -159,16 +143,16 @@ def _const_node(name: str, dtype: int, value: np.ndarray):
     tensor.ClearField("tensor_content")
     tensor.tensor_shape.CopyFrom(tf.TensorShape(value.shape).as_proto())
     content = memoryview(value).cast("B")
-    tensor_head = tensor.SerializeToString() + _varint(4 << 3 | 2) + _varint(content.nbytes)  # tensor_content = 4
+    tensor_head = tensor.SerializeToString() + header(4, content.nbytes)  # tensor_content = 4
     tensor_len = len(tensor_head) + content.nbytes
-    attr_head = _varint(8 << 3 | 2) + _varint(tensor_len)  # AttrValue.tensor = 8
+    attr_head = header(8, tensor_len)  # AttrValue.tensor = 8
     attr_len = len(attr_head) + tensor_len
     key = b"value"
-    entry_head = _varint(1 << 3 | 2) + _varint(len(key)) + key + _varint(2 << 3 | 2) + _varint(attr_len)
+    entry_head = field(1, key) + header(2, attr_len)
     entry_len = len(entry_head) + attr_len
-    node_head = head.SerializeToString() + _varint(5 << 3 | 2) + _varint(entry_len)  # NodeDef.attr = 5
+    node_head = head.SerializeToString() + header(5, entry_len)  # NodeDef.attr = 5
     node_len = len(node_head) + entry_len
-    return [_varint(_NODE << 3 | 2) + _varint(node_len) + node_head + entry_head + attr_head + tensor_head, content]
+    return [header(_NODE, node_len) + node_head + entry_head + attr_head + tensor_head, content]
 
 
 def stream_graph_def(graph_def: tf1.GraphDef, target: Path, constants=None) -> int:
@@ -185,8 +169,8 @@ def stream_graph_def(graph_def: tf1.GraphDef, target: Path, constants=None) -> i
                     f.write(chunk)
                 del value
             else:
-                f.write(_field(_NODE, node.SerializeToString()))
+                f.write(field(_NODE, node.SerializeToString()))
         if graph_def.HasField("library"):
-            f.write(_field(_LIBRARY, graph_def.library.SerializeToString()))
-        f.write(_field(_VERSIONS, graph_def.versions.SerializeToString()))
+            f.write(field(_LIBRARY, graph_def.library.SerializeToString()))
+        f.write(field(_VERSIONS, graph_def.versions.SerializeToString()))
     return len(graph_def.node)

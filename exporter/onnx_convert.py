@@ -318,21 +318,7 @@ def prune(model, outputs: list[tuple[str, str]], contract, full_contract, weight
     not in ``contract`` but is read becomes a constant holding its default. Graph inputs named in
     ``weight_inputs`` that are read stay inputs (the weights go in later)."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    need: set[str] = set()
-    stack = [src for src, _ in outputs]
-    while stack:
-        name = stack.pop()
-        if not name or name in need:
-            continue
-        need.add(name)
-        node = producer.get(name)
-        if node is None:
-            continue
-        stack.extend(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                stack.extend(names_read(sub))
+    need = needed(graph, [src for src, _ in outputs])
     out = onnx.ModelProto()
     out.ir_version = model.ir_version
     out.opset_import.extend(model.opset_import)
@@ -364,6 +350,27 @@ def prune(model, outputs: list[tuple[str, str]], contract, full_contract, weight
     return out
 
 
+def needed(graph, outputs: list[str], stop: str | None = None) -> set[str]:
+    """Every name ``outputs`` depend on in ``graph`` (node outputs, initializers, graph inputs;
+    If/Loop bodies' reads counted), not looking past the tensor ``stop``."""
+    producer = {o: n for n in graph.node for o in n.output}
+    need: set[str] = set()
+    stack = list(outputs)
+    while stack:
+        name = stack.pop()
+        if not name or name in need:
+            continue
+        need.add(name)
+        node = producer.get(name)
+        if node is None or name == stop:
+            continue
+        stack.extend(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                stack.extend(names_read(sub))
+    return need
+
+
 def names_read(graph) -> set[str]:
     """Every name a node of ``graph`` or of its subgraphs (If/Loop bodies) reads."""
     names: set[str] = set()
@@ -386,21 +393,7 @@ def head_model(model, source: str):
     declared = {o.name: o for o in graph.output}
     if source not in declared or not any(is_action(o.name) for o in wanted):
         return None
-    producer = {o: n for n in graph.node for o in n.output}
-    need: set[str] = set()
-    stack = [o.name for o in wanted]
-    while stack:
-        name = stack.pop()
-        if not name or name in need:
-            continue
-        need.add(name)
-        node = producer.get(name)
-        if node is None or name == source:
-            continue
-        stack.extend(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                stack.extend(names_read(sub))
+    need = needed(graph, [o.name for o in wanted], stop=source)
     initializers = [i for i in graph.initializer if i.name in need]
     initialized = {i.name for i in initializers}
     if any(i.data_location == onnx.TensorProto.EXTERNAL for i in initializers):

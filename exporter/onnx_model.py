@@ -28,6 +28,7 @@ from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.onnx_convert import names_read
+from policy_export.exporter.protowire import header
 from policy_export.exporter.runner import Runner, TensorMeta
 from policy_export.policy.errors import ExportError
 from policy_export.signatures.contract import Contract
@@ -174,18 +175,6 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str, lazy
             del value
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9  # field numbers in onnx.proto
 
 
@@ -203,16 +192,16 @@ def _append_initializers(f, lazy: Mapping[str, Any]) -> None:
         tensor.name = name
         tensor.data_type = helper.np_dtype_to_tensor_dtype(weight.dtype)
         tensor.dims.extend(weight.shape)
-        head = tensor.SerializeToString() + _varint(_TENSOR_RAW_DATA << 3 | 2) + _varint(weight.nbytes)
+        head = tensor.SerializeToString() + header(_TENSOR_RAW_DATA, weight.nbytes)
         heads[name] = head
     entries = {name: len(head) + lazy[name].nbytes for name, head in heads.items()}
-    graph_len = sum(len(_varint(_GRAPH_INITIALIZER << 3 | 2)) + len(_varint(n)) + n for n in entries.values())
-    f.write(_varint(_MODEL_GRAPH << 3 | 2) + _varint(graph_len))
+    graph_len = sum(len(header(_GRAPH_INITIALIZER, n)) + n for n in entries.values())
+    f.write(header(_MODEL_GRAPH, graph_len))
     for name, weight in lazy.items():
         value = little_endian(weight.value())
         if value.nbytes != weight.nbytes:
             raise ExportError(f"weight {name} has {value.nbytes} bytes, expected {weight.nbytes}")
-        f.write(_varint(_GRAPH_INITIALIZER << 3 | 2) + _varint(entries[name]) + heads[name])
+        f.write(header(_GRAPH_INITIALIZER, entries[name]) + heads[name])
         f.write(memoryview(value).cast("B"))
         del value
 
