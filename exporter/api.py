@@ -43,6 +43,7 @@ from policy_export.exporter.plan import (
 from policy_export.exporter.plan import manifest_record as parity_manifest_record
 from policy_export.exporter.progress import SILENT, Counted, MemoryTrace, Progress, peak_rss_mb, release_memory
 from policy_export.exporter.staging import check_target, staged_directory
+from policy_export.exporter.watchdog import limited
 from policy_export.exporter.stepped import (
     DEFAULT_SEQUENCES, DEFAULT_STEPS, run_stepped, run_training_graph, stepped_inputs,
 )
@@ -139,6 +140,7 @@ class VerifyResult:
             raise ParityFailedError(f"verify {self.path} failed: " + "; ".join(parts), self.parity, self.file_problems)
 
 
+@limited
 def export_policy(
     policy,
     out: str | Path,
@@ -158,6 +160,7 @@ def export_policy(
     external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
     progress: Progress | None = None,
     behaviour: Mapping[str, Mapping[str, float]] | None = None,
+    run_timeout: float | None = None,
 ) -> ExportResult:
     """Export ``policy`` (a :class:`policy.TFPolicy`) to the directory ``out`` and prove parity.
 
@@ -175,6 +178,7 @@ def export_policy(
     plan that was run (golden, exploration and stepped parts; :mod:`exporter.plan`) is stored in
     ``parity/`` so that :func:`verify_export` replays it. ``progress`` (a
     :class:`exporter.progress.Progress`; default silent) is told each stage as it runs.
+    ``run_timeout``: seconds one call into a runtime may take (default 600; see :mod:`exporter.watchdog`).
 
     Returns:
         ExportResult with the format records, file list, parity report and manifest.
@@ -305,12 +309,13 @@ def export_spec(spec_path: str | Path, out: str | Path, *, device: str = "auto",
     return result
 
 
+@limited
 def verify_export(
     out: str | Path, *, samples: int = 0, seed: int = 1, device: str = "auto",
     tolerances: Tolerances | None = None, batch_size: int = DEFAULT_BATCH,
     expect_manifest_sha256: str | None = None, candidates: Mapping[str, str | Path] | None = None,
     localize: bool = False, progress: Progress | None = None,
-    behaviour: Mapping[str, Mapping[str, float]] | None = None,
+    behaviour: Mapping[str, Mapping[str, float]] | None = None, run_timeout: float | None = None,
 ) -> VerifyResult:
     """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
@@ -335,6 +340,9 @@ def verify_export(
 
     ``progress`` (a :class:`exporter.progress.Progress`; default silent) is told each stage as it
     runs: the file check, the plan's loading, each format's parity, fresh samples, localisation.
+
+    ``run_timeout``: seconds one call into a runtime may take (default 600): a format or candidate
+    that takes longer is stopped and fails with :class:`~exporter.watchdog.RunTimeoutError`.
 
     Raises:
         ExportError: ``out`` is not an export.

@@ -55,6 +55,12 @@ def _tf32_option(p: argparse.ArgumentParser) -> None:
                         "the default tolerance then becomes at least 1e-2")
 
 
+def _run_timeout_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest one call into a runtime (ONNX Runtime, TF, TFLite, Keras) may take before it "
+                        "is stopped and fails the check, exit 1 (default 600)")
+
+
 def _quiet_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress on stderr (by default each stage is shown with its elapsed time: a live "
@@ -88,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
                          f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
     _parity_options(ex, D.DEFAULT_SAMPLES)
+    _run_timeout_option(ex)
     _quiet_option(ex)
 
     ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
@@ -102,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
                          "export's stored parity plan instead of the export's own formats; repeatable")
     _parity_options(ve, 0)
+    _run_timeout_option(ve)
     _quiet_option(ve)
 
     ins = sub.add_parser("inspect", parents=[common],
@@ -138,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--dist-inputs", default=None, metavar="KEY",
                     help="Keras base models: the output holding the action distribution inputs "
                          "(default: the one output of the width the action space needs)")
+    _run_timeout_option(co)
     _quiet_option(co)
 
     ro = sub.add_parser("rollout", parents=[common],
@@ -156,53 +165,90 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--return-tolerance", type=float, default=0.05, metavar="X",
                     help="lossy formats: largest relative difference of the mean return from the reference's "
                          "(default 0.05)")
+    _run_timeout_option(ro)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit code."""
+    """Entry point of the console script; returns the exit code.
+
+    SIGINT, SIGTERM and SIGHUP are handled until it returns: before an export is in place they
+    stop it (nothing left behind, exit 130); once it is in place the export is complete, so the
+    command finishes, says on stderr that it was interrupted after the export was complete, and
+    exits 0.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    from rich.console import Console
-
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
+    with signals_as_interrupts() as signals:  # SIGTERM and SIGHUP clean up like Ctrl-C
+        try:
+            code = _run(args)
+            signals.record_only()
+        except KeyboardInterrupt as e:  # raised where _run could not report it (progress set-up)
+            signals.record_only()
+            code = _interrupted(e.signum if isinstance(e, Interrupted) else None)
+        late = signals.take()
+        if late is not None and code != EXIT_INTERRUPTED:
+            import signal
+
+            if signals.complete:
+                print(f"{PROG}: interrupted by {signal.Signals(late).name} after the export was complete",
+                      file=sys.stderr)
+            else:  # the signal was swallowed where Python ignores exceptions; the command did not stop
+                code = _interrupted(late)
+        return code
+
+
+def _interrupted(signum: int | None) -> int:
+    import signal
+
+    how = signal.Signals(signum).name if signum is not None else "SIGINT"
+    print(f"{PROG}: interrupted by {how}; no partial export was left behind", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _run(args) -> int:
+    """Run the command of ``args``; every error becomes its exit code and one line on stderr."""
+    from rich.console import Console
+
     from policy_export.exporter.progress import SILENT, for_terminal
+    from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
     width = None if sys.stdout.isatty() else 200  # CI logs: no wrapping or clipping of the parity table
     out, err = Console(width=width), Console(stderr=True)
     # progress of the long commands goes to stderr; stdout (tables, JSON) is unchanged by it
     args.progress = (for_terminal(args.quiet, console=err) if args.command in ("export", "verify", "convert")
                      else SILENT)
-    try:
-        commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
-                    "inspect": _cmd_inspect, "diff": _cmd_diff, "convert": _cmd_convert}
-        with signals_as_interrupts():  # SIGTERM and SIGHUP clean up like Ctrl-C
+    with signals_as_interrupts() as signals:  # the session main() holds
+        try:
+            commands = {"export": _cmd_export, "verify": _cmd_verify, "rollout": _cmd_rollout,
+                        "inspect": _cmd_inspect, "diff": _cmd_diff, "convert": _cmd_convert}
             return commands[args.command](args, out)
-    except KeyboardInterrupt as e:
-        args.progress.close(failed=True)
-        how = f"by {e}" if isinstance(e, Interrupted) else "by SIGINT"
-        print(f"{PROG}: interrupted {how}; no partial export was left behind", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as e:  # the one place every error is turned into an exit code
-        from policy_export.policy.errors import PolicyExportError
+        except KeyboardInterrupt as e:
+            signals.record_only()  # a second signal while reporting is only recorded
+            args.progress.close(failed=True)
+            return _interrupted(e.signum if isinstance(e, Interrupted) else None)
+        except Exception as e:  # the one place every error is turned into an exit code
+            signals.record_only()
+            from policy_export.policy.errors import PolicyExportError
 
-        args.progress.close(failed=True)  # a live display is cleared: the error line stands alone
-        if args.debug:
-            err.print_exception()
-        if isinstance(e, PolicyExportError):
-            report = getattr(e, "report", None)
-            if report is not None:
-                from policy_export.exporter.reports import parity_table
+            args.progress.close(failed=True)  # a live display is cleared: the error line stands alone
+            if args.debug:
+                err.print_exception()
+            if isinstance(e, PolicyExportError):
+                report = getattr(e, "report", None)
+                if report is not None:
+                    from policy_export.exporter.reports import parity_table
 
-                out.print(parity_table(report, "parity"))
-            print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
-            return e.exit_code
-        print(f"{PROG}: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)",
-              file=sys.stderr)
-        return EXIT_INTERNAL
-    finally:
-        args.progress.close()
+                    out.print(parity_table(report, "parity"))
+                print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+                return e.exit_code
+            print(f"{PROG}: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)",
+                  file=sys.stderr)
+            return EXIT_INTERNAL
+        finally:
+            args.progress.close()
 
 
 def _tolerances(args, base=None):
@@ -231,6 +277,13 @@ def _behaviour_option(args) -> dict:
         fmt, name, value = parse_override(item)
         overrides.setdefault(fmt, {})[name] = value
     return {"behaviour": overrides} if overrides else {}
+
+
+def _check_run_timeout(args) -> None:
+    from policy_export.exporter.watchdog import check_run_timeout
+
+    if args.run_timeout is not None:
+        check_run_timeout(args.run_timeout, "--run-timeout")
 
 
 def _check_seed(args) -> None:
@@ -346,6 +399,7 @@ def _cmd_export(args, console) -> int:
     if args.external_data_threshold < 0:
         raise InputError(f"--external-data-threshold must be 0 or more, got {args.external_data_threshold}")
     _check_seed(args)
+    _check_run_timeout(args)
     _check_report_paths(args, args.out)
     tolerances = _tolerances(args)
     spec = load_spec(args.spec)
@@ -362,7 +416,7 @@ def _cmd_export(args, console) -> int:
                              overwrite=args.overwrite, explore_samples=args.explore_samples,
                              inputs_as_nchw=args.inputs_as_nchw,
                              external_data_threshold=args.external_data_threshold, progress=args.progress,
-                             **_behaviour_option(args))
+                             run_timeout=args.run_timeout, **_behaviour_option(args))
     except ParityFailedError as e:
         args.progress.close(failed=True)
         if e.report is not None:
@@ -389,6 +443,7 @@ def _cmd_verify(args, console) -> int:
     _check_seed(args)
     if args.samples < 0:
         raise InputError(f"--samples must be 0 or more, got {args.samples}")
+    _check_run_timeout(args)
     _check_report_paths(args, args.out)
     _check_tolerance_keys(args, doc)
     from policy_export.exporter.replay import parse_candidates
@@ -407,7 +462,7 @@ def _cmd_verify(args, console) -> int:
     result = verify_export(args.out, samples=args.samples, seed=args.seed, device=_device_plan(args),
                            tolerances=tolerances, expect_manifest_sha256=args.expect_manifest_sha256,
                            candidates=candidates, localize=args.localize, progress=args.progress,
-                           **_behaviour_option(args))
+                           run_timeout=args.run_timeout, **_behaviour_option(args))
     args.progress.close()
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes})
@@ -517,6 +572,7 @@ def _cmd_convert(args, console) -> int:
     from policy_export.policy.errors import ExportError, InputError
 
     check_opset(args.opset)
+    _check_run_timeout(args)
     if not (Path(args.saved_model) / "saved_model.pb").is_file():
         raise ExportError(f"{args.saved_model} is not a SavedModel directory (no saved_model.pb)")
     check_target(Path(args.out).absolute(), args.overwrite)
@@ -540,11 +596,13 @@ def _cmd_convert(args, console) -> int:
     _heavy_imports(args)
     from policy_export.exporter.convert import convert_saved_model
     from policy_export.exporter.reports import parity_table
+    from policy_export.exporter.watchdog import run_limit
 
-    result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
-                                 device=_device_plan(args), opset=args.opset, samples=args.samples, overwrite=args.overwrite,
-                                 state_pairs=pairs or None, dist_inputs=args.dist_inputs, progress=args.progress,
-                                 **spaces)
+    with run_limit(args.run_timeout):
+        result = convert_saved_model(args.saved_model, args.out, signature_key=args.signature, tag=args.tag,
+                                     device=_device_plan(args), opset=args.opset, samples=args.samples,
+                                     overwrite=args.overwrite, state_pairs=pairs or None, dist_inputs=args.dist_inputs,
+                                     progress=args.progress, **spaces)
     args.progress.close()
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
@@ -575,13 +633,14 @@ def _cmd_rollout(args, console) -> int:
     if args.episodes < 1:
         raise InputError(f"--episodes must be at least 1, got {args.episodes}")
     _check_seed(args)
+    _check_run_timeout(args)
     formats = _rollout_formats(args.formats)
     _heavy_imports(args)
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
 
     report = rollout(args.out, args.env, episodes=args.episodes, seed=args.seed, device=_device_plan(args),
-                     formats=formats, return_tolerance=args.return_tolerance)
+                     formats=formats, return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
     ref, others = report.reference, report.formats[1:]
     table = Table(title=f"rollout {escape(str(args.out))} in {escape(args.env)} (deterministic actions; "
                         f"reference {ref})", title_justify="left")

@@ -72,29 +72,17 @@ def _node(name: str) -> str:
 # ---------------------------------------------------------------------------- reading and pruning
 
 
-def read_meta_graph(path: str | Path, tag: str = "serve") -> tf1.MetaGraphDef:
-    """The MetaGraphDef of the SavedModel at ``path`` whose tags include ``tag``.
+def read_meta_graph(path: str | Path, tag: str = "serve", proto: Any = None) -> tf1.MetaGraphDef:
+    """The MetaGraphDef of the SavedModel at ``path`` whose tags include ``tag``, read with
+    :func:`exporter.trust.read_saved_model` (or taken from its already-read ``proto``).
 
     Raises:
         ExportError: no ``saved_model.pb``, an unreadable file, or no meta graph with that tag.
     """
-    from tensorflow.core.protobuf import saved_model_pb2
+    from policy_export.exporter.trust import read_saved_model, select_meta_graph
 
     path = Path(path)
-    pb = path / "saved_model.pb"
-    if not pb.is_file():
-        raise ExportError(f"{path} is not a SavedModel directory (no saved_model.pb)")
-    model = saved_model_pb2.SavedModel()
-    try:
-        model.ParseFromString(pb.read_bytes())
-    except Exception as e:  # protobuf raises its own DecodeError
-        raise ExportError(f"{pb} is not a serialized SavedModel: {e}") from e
-    tagged = [m for m in model.meta_graphs if tag in m.meta_info_def.tags]
-    if not tagged:
-        have = [list(m.meta_info_def.tags) for m in model.meta_graphs]
-        raise ExportError(f"{path} has no meta graph with tag {tag!r}; its tags are {have}")
-    exact = [m for m in tagged if list(m.meta_info_def.tags) == [tag]]
-    return (exact or tagged)[0]
+    return select_meta_graph(read_saved_model(path) if proto is None else proto, tag, str(path))
 
 
 def find_explore_switches(graph_def: tf1.GraphDef, signature: Any) -> list[str]:
@@ -123,13 +111,16 @@ def prune_meta_graph(meta: tf1.MetaGraphDef, signature_key: str = "serving_defau
 
     Kept: every node a signature input or output depends on, each hidden exploration switch
     (see :func:`find_explore_switches`) and, for every kept variable, its initializer and
-    snapshot nodes (what :func:`tf1.train.import_meta_graph` rebuilds the variable from).
-    Variable collections are filtered to the kept variables; other collections (optimizer,
-    control-flow contexts, summaries) and the saver are dropped.
+    snapshot nodes (what :func:`tf1.train.import_meta_graph` rebuilds the variable from), and
+    the library functions those nodes reach. Variable collections are filtered to the kept
+    variables; other collections (optimizer, control-flow contexts, summaries) and the saver
+    are dropped.
 
     Raises:
         ExportError: the signature is missing, or several hidden exploration switches feed it.
     """
+    from policy_export.exporter.trust import prune_library
+
     sig = find_signature(meta, signature_key)
     graph_def = meta.graph_def
     roots = {_node(t.name) for t in list(sig.inputs.values()) + list(sig.outputs.values())}
@@ -144,6 +135,7 @@ def prune_meta_graph(meta: tf1.MetaGraphDef, signature_key: str = "serving_defau
         if _node(var.variable_name) in kept_names:
             roots.update(_node(n) for n in (var.initializer_name, var.snapshot_name) if n)
     kept = tf1.graph_util.extract_sub_graph(graph_def, sorted(roots))
+    prune_library(kept)  # extract_sub_graph copies the whole library
     kept_names = {n.name for n in kept.node}
     unknown = sorted(n.name for n in kept.node if n.op in VARIABLE_OPS and n.name not in
                      {_node(v.variable_name) for v in var_defs.values()})
@@ -259,13 +251,18 @@ def rewrite_recurrent_serving(serving: RecurrentServing) -> RecurrentServing:
 def load_saved_model_policy(path: str | Path, signature_key: str = "serving_default", tag: str = "serve",
                             device: str = "auto", state_pairs: list[tuple[str, str]] | None = None,
                             observation_space: gym.Space | None = None, action_space: gym.Space | None = None,
-                            ) -> tuple[TFPolicy, dict[str, Any]]:
+                            *, proto: Any = None) -> tuple[TFPolicy, dict[str, Any]]:
     """Load the serving subgraph of a TF1 SavedModel signature as a :class:`TFPolicy`.
 
     ``state_pairs`` gives the state keys as ``(input key, output key)`` pairs in order; without it,
     state inputs and outputs are paired in natural order of their names (right for RLlib's
     ``state_in_0``/``state_in_1`` with ``Exit_3``/``Exit_4`` or ``Identity_5``/``Identity_6``).
     ``observation_space``/``action_space`` replace the inferred spaces (checked against the tensors).
+    ``proto`` is the SavedModel already read with :func:`exporter.trust.read_saved_model`.
+
+    Only the pruned serving subgraph (:func:`prune_meta_graph`) is checked
+    (:func:`exporter.trust.check_meta_graph`) and handed to TensorFlow; the rest of the file (a
+    training graph) is never loaded.
 
     Returns:
         The policy and the source record for the manifest: ``key_mapping`` (new key -> original
@@ -277,17 +274,20 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
         UnsafeModelError: an op the model must not run (see :mod:`exporter.trust`).
         InputError: a given space that does not fit the signature's tensors.
     """
-    from policy_export.exporter.trust import check_saved_model
+    from tensorflow.python.framework import meta_graph as meta_graph_lib
+
+    from policy_export.exporter.trust import check_meta_graph, saved_model_budget
 
     path = Path(path)
-    check_saved_model(path)  # before any of its ops can run
-    pruned = prune_meta_graph(read_meta_graph(path, tag), signature_key)
+    pruned = prune_meta_graph(read_meta_graph(path, tag, proto), signature_key)
+    check_meta_graph(pruned.meta_graph, str(path), budget=saved_model_budget(path))  # before any op can run
     plan = plan_devices(device)
     graph = tf.Graph()
     session = tf1.Session(graph=graph, config=session_config(plan.tf_device))
     try:
         with graph.as_default():
-            tf1.train.import_meta_graph(pruned.meta_graph, clear_devices=True)
+            # what tf1.train.import_meta_graph does, without adding a Saver nobody runs
+            meta_graph_lib.import_scoped_meta_graph(pruned.meta_graph, clear_devices=True)
         _restore_variables(session, graph, path)
         sig = find_signature(pruned.meta_graph, signature_key)
         inputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.inputs.items()}
@@ -498,11 +498,14 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
     from policy_export.exporter.convert_keras import convert_keras_model, is_keras_base_model
     from policy_export.exporter.staging import check_target
 
+    from policy_export.exporter.trust import read_saved_model
+
     dist_inputs = options.pop("dist_inputs", None)
-    if is_keras_base_model(path, signature_key, tag):  # RLlib >= 2.1 export_model: the base network alone
+    proto = read_saved_model(path) if (Path(path) / "saved_model.pb").is_file() else None  # read once
+    if is_keras_base_model(path, signature_key, tag, proto=proto):  # RLlib >= 2.1 export_model: the base network
         return convert_keras_model(path, out, action_space=action_space, observation_space=observation_space,
                                    dist_inputs=dist_inputs, signature_key=signature_key, tag=tag, device=device,
-                                   **options)
+                                   proto=proto, **options)
     if dist_inputs is not None:
         raise InputError("--dist-inputs applies to Keras base models only; this SavedModel has 'actions' outputs")
     check_target(Path(out).absolute(), options.get("overwrite", False))
@@ -511,7 +514,7 @@ def convert_saved_model(path: str | Path, out: str | Path, *, signature_key: str
 
     with (options.get("progress") or SILENT).stage("load SavedModel"):
         policy, record = load_saved_model_policy(path, signature_key, tag, device, state_pairs,
-                                                 observation_space, action_space)
+                                                 observation_space, action_space, proto=proto)
     source = {"converted_from": str(Path(path).absolute()), "signature": signature_key, "tag": tag, **record}
     if EXPLORE in record:
         log.info("the hidden exploration switch %s (default %s) is the 'explore' input, default false",

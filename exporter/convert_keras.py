@@ -46,36 +46,35 @@ ACTION_KEY = re.compile(r"actions(_\d+)?")
 RECURRENT_HINT = re.compile(r"state|seq_lens|seq_in|prev_action|prev_reward", re.IGNORECASE)
 
 
-def signature_outputs(path: str | Path, signature_key: str = "serving_default", tag: str = "serve") -> list[str] | None:
-    """The output keys of ``signature_key`` read from ``saved_model.pb`` (no variables loaded).
+def signature_outputs(path: str | Path, signature_key: str = "serving_default", tag: str = "serve",
+                      proto: Any = None) -> list[str] | None:
+    """The output keys of ``signature_key`` read from ``saved_model.pb`` (no variables loaded) with
+    :func:`exporter.trust.read_saved_model`, or from its already-read ``proto``.
 
     Returns None when the file holds no meta graph with ``tag`` or no such signature.
 
     Raises:
         ExportError: ``saved_model.pb`` is missing or not a SavedModel proto.
     """
-    from tensorflow.core.protobuf import saved_model_pb2
+    from policy_export.exporter.trust import read_saved_model
 
-    pb = Path(path) / "saved_model.pb"
-    proto = saved_model_pb2.SavedModel()
-    try:
-        proto.ParseFromString(pb.read_bytes())
-    except Exception as e:  # OSError, protobuf's DecodeError
-        raise ExportError(f"{pb} is not a readable SavedModel: {e}") from e
+    proto = read_saved_model(path) if proto is None else proto
     for meta in proto.meta_graphs:
         if tag in meta.meta_info_def.tags and signature_key in meta.signature_def:
             return list(meta.signature_def[signature_key].outputs)
     return None
 
 
-def is_keras_base_model(path: str | Path, signature_key: str = "serving_default", tag: str = "serve") -> bool:
+def is_keras_base_model(path: str | Path, signature_key: str = "serving_default", tag: str = "serve",
+                        proto: Any = None) -> bool:
     """True when the signature has outputs but none named ``actions``/``actions_i``: a base model.
 
-    False when ``path`` holds no ``saved_model.pb`` (the caller reports that).
+    False when ``path`` holds no ``saved_model.pb`` (the caller reports that). ``proto``: the
+    SavedModel already read.
     """
-    if not (Path(path) / "saved_model.pb").is_file():
+    if proto is None and not (Path(path) / "saved_model.pb").is_file():
         return False
-    outputs = signature_outputs(path, signature_key, tag)
+    outputs = signature_outputs(path, signature_key, tag, proto)
     return bool(outputs) and not any(ACTION_KEY.fullmatch(k) for k in outputs)
 
 
@@ -121,8 +120,11 @@ def _fmt(shape: list | None) -> str:
 
 def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_space: gym.Space | None = None,
                       dist_inputs: str | None = None, signature_key: str = "serving_default", tag: str = "serve",
-                      device: str = "auto") -> tuple[Any, dict[str, str]]:
+                      device: str = "auto", proto: Any = None) -> tuple[Any, dict[str, str]]:
     """Load a Keras base-model SavedModel and put the package's action head on it.
+
+    Only what the signature, the restore op and the init op need is checked and handed to
+    TensorFlow (see :func:`_frozen_base_model`); ``proto`` is the SavedModel already read.
 
     Returns:
         ``(policy, key_mapping)``: a :class:`policy.TFPolicy` and, for the manifest, new key ->
@@ -143,7 +145,7 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
     check_supported(action_space, "action_space", SUPPORTED_ACTION_SPACES)
     path = Path(path)
     plan = plan_devices(device)
-    graph_def, sig = _frozen_base_model(path, signature_key, tag, plan.tf_device)
+    graph_def, sig = _frozen_base_model(path, signature_key, tag, plan.tf_device, proto)
     (in_key, in_info), = _single_input(sig, path)
     out_shapes = {k: _shape_of(v) for k, v in sig.outputs.items()}
     width = ActionDistribution.required_inputs(action_space)
@@ -160,28 +162,45 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
     return policy, mapping
 
 
-def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | None):
-    """The SavedModel's signature and its graph with variables folded into constants."""
+def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | None, proto: Any = None):
+    """The SavedModel's signature and its graph with variables folded into constants.
+
+    The meta graph is pruned to what the signature, the saver's restore op and the init op need
+    (:func:`exporter.trust.prune_to_serving`), checked, and only that is imported; the variables
+    are restored by the saver's own restore op from ``path/variables/variables``, then the init
+    op runs: what ``tf1.saved_model.loader.load`` does, on the pruned graph.
+    """
     import tensorflow as tf
+    from tensorflow.python.framework import meta_graph as meta_graph_lib
 
     from policy_export.policy.tf_policy import session_config
 
     tf1 = tf.compat.v1
-    if not (path / "saved_model.pb").is_file():
+    if proto is None and not (path / "saved_model.pb").is_file():
         raise ExportError(f"{path} is not a SavedModel directory (no saved_model.pb); note that RLlib's "
                           f"export_model writes an empty folder for LSTM policies")
     from policy_export.exporter.tf_runner import glob_free_path
-    from policy_export.exporter.trust import check_saved_model
+    from policy_export.exporter.trust import (
+        check_meta_graph, init_roots, prune_to_serving, read_saved_model, saved_model_budget, select_meta_graph,
+    )
 
-    check_saved_model(path)  # before any of its ops can run
+    proto = read_saved_model(path) if proto is None else proto
+    meta = prune_to_serving(select_meta_graph(proto, tag, str(path)), signature_key, str(path))
+    check_meta_graph(meta, str(path), budget=saved_model_budget(path))  # before any of its ops can run
+    sig = find_signature(meta, signature_key, str(path))
     graph = tf.Graph()
     with tf1.Session(graph=graph, config=session_config(device)) as session:
         try:
             with graph.as_default(), glob_free_path(path) as alias:
-                meta = tf1.saved_model.loader.load(session, [tag], str(alias))
-        except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
+                meta_graph_lib.import_scoped_meta_graph(meta)
+                if meta.HasField("saver_def"):
+                    session.run(meta.saver_def.restore_op_name,
+                                {meta.saver_def.filename_tensor_name: str(alias / "variables" / "variables")})
+                init = init_roots(meta)
+                if init:
+                    session.run([graph.as_graph_element(n) for n in init])
+        except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
             raise ExportError(f"cannot load SavedModel {path} with tag {tag!r}: {e}") from e
-        sig = find_signature(meta, signature_key, str(path))
         names = sorted({v.name.split(":")[0] for v in sig.outputs.values()})
         try:
             with graph.as_default():
@@ -310,8 +329,10 @@ def _rllib_deterministic_path(dist, dist_inputs, extras: dict) -> dict:
 def convert_keras_model(path: str | Path, out: str | Path, *, action_space: gym.Space | None,
                         observation_space: gym.Space | None = None, dist_inputs: str | None = None,
                         signature_key: str = "serving_default", tag: str = "serve", device: str = "auto",
-                        **options: Any):
+                        proto: Any = None, **options: Any):
     """Convert the Keras base-model SavedModel at ``path`` into a full export at ``out``.
+
+    ``proto`` is the SavedModel already read with :func:`exporter.trust.read_saved_model`.
 
     ``options`` go to :func:`exporter.export_policy` (``opset``, ``samples``, ``overwrite``,
     ``progress``...);
@@ -338,7 +359,7 @@ def convert_keras_model(path: str | Path, out: str | Path, *, action_space: gym.
     with (options.get("progress") or SILENT).stage("load SavedModel"):
         policy, mapping = load_keras_policy(path, action_space, observation_space=observation_space,
                                             dist_inputs=dist_inputs, signature_key=signature_key, tag=tag,
-                                            device=device)
+                                            device=device, proto=proto)
     source = {"converted_from": str(Path(path).absolute()), "kind": "keras_base_model", "signature": signature_key,
               "tag": tag, "key_mapping": mapping, "action_space": space_to_json(action_space)}
     try:

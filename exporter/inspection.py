@@ -73,24 +73,24 @@ def onnx_contract(path: Path) -> Contract:
                     outputs=tuple(spec(o, False) for o in model.graph.output))
 
 
-def _read_saved_model(path: Path):
-    from tensorflow.core.protobuf import saved_model_pb2
+def saved_model_meta_graph(path: Path, tag: str, signature_key: str = "serving_default"):
+    """The meta graph of the SavedModel at ``path`` tagged ``tag``, pruned to what
+    ``signature_key``, the restore op and the init op need, and checked
+    (:func:`exporter.trust.check_meta_graph`); ``saved_model.pb`` is read once, with
+    :func:`exporter.trust.read_saved_model`.
 
-    proto = saved_model_pb2.SavedModel()
-    try:
-        proto.ParseFromString((path / "saved_model.pb").read_bytes())
-    except Exception as e:  # protobuf DecodeError
-        raise ExportError(f"{path}/saved_model.pb is not a SavedModel: {e}") from e
-    return proto
+    Raises:
+        ExportError: unreadable, no meta graph tagged ``tag``, or no such signature.
+        UnsafeModelError: the pruned graph holds an op that may not be loaded.
+    """
+    from policy_export.exporter.trust import (
+        check_meta_graph, prune_to_serving, read_saved_model, saved_model_budget, select_meta_graph,
+    )
 
-
-def saved_model_meta_graph(path: Path, tag: str):
-    proto = _read_saved_model(path)
-    for meta in proto.meta_graphs:
-        if tag in meta.meta_info_def.tags:
-            return meta
-    tags = [list(m.meta_info_def.tags) for m in proto.meta_graphs]
-    raise ExportError(f"{path} has no meta graph tagged {tag!r}; it has {tags}")
+    proto = read_saved_model(path)
+    meta = prune_to_serving(select_meta_graph(proto, tag, str(path)), signature_key, str(path))
+    check_meta_graph(meta, str(path), budget=saved_model_budget(path))
+    return meta
 
 
 def saved_model_contract(path: Path, signature_key: str = "serving_default", tag: str = "serve") -> Contract:
@@ -100,10 +100,7 @@ def saved_model_contract(path: Path, signature_key: str = "serving_default", tag
     """
     import tensorflow as tf
 
-    from policy_export.exporter.trust import check_saved_model
-
-    check_saved_model(path)
-    meta = saved_model_meta_graph(path, tag)
+    meta = saved_model_meta_graph(path, tag, signature_key)
     from policy_export.signatures.builder import find_signature
 
     sig = find_signature(meta, signature_key, str(path))

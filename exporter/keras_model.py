@@ -151,11 +151,17 @@ class KerasRunner(Runner):
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._model is not None:
-            args = [feeds[t.name.split(":")[0]] for t in self._model.inputs]
-            out = self._model(args[0] if len(args) == 1 else args, training=False)
+            model = self._model
+            args = [feeds[t.name.split(":")[0]] for t in model.inputs]
+            # built-in layers run op by op: a call cannot be cancelled, only left behind
+            out = self.stoppable(lambda: model(args[0] if len(args) == 1 else args, training=False))
             outs = list(out) if isinstance(out, (list, tuple)) else [out]
         else:
-            result = self._fn(**{k: tf.constant(v) for k, v in feeds.items()})
+            from tensorflow.python.eager import cancellation
+
+            manager = cancellation.CancellationManager()  # cancels the signature's function, loops included
+            fn = manager.get_cancelable_function(self._fn)
+            result = self.stoppable(lambda: fn(**{k: tf.constant(v) for k, v in feeds.items()}), manager.start_cancel)
             names = self.output_names or sorted(result)
             outs = [result[n] for n in names]
         return {k: np.asarray(v) for k, v in zip(output_keys(len(outs)), outs)}

@@ -286,10 +286,13 @@ def check_file(path: Path, inspect=None):
 
     Raises:
         ExportError: the file is missing or is not a valid ONNX model.
+        DeclaredSizeError: a tensor's declared size disagrees with its data or exceeds the file's
+            budget (:func:`check_declared_sizes`).
     """
     if not Path(path).is_file():
         raise ExportError(f"{path} does not exist")
     model = check_external_data(Path(path))
+    check_declared_sizes(model, Path(path))
     result = inspect(model) if inspect is not None else None
     del model
     try:
@@ -297,6 +300,223 @@ def check_file(path: Path, inspect=None):
     except Exception as e:  # DecodeError, ValidationError, OSError...
         raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
     return result
+
+
+DECLARED_ALLOWANCE = 16 << 20  # bytes beyond the files' own sizes that declared tensors may take
+_PACKED_4BIT = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
+_SHAPED_NODES = {"ConstantOfShape": 0, "Expand": 1}  # op -> input holding the output's shape
+
+
+class DeclaredSizeError(ExportError):
+    """An ONNX tensor declares more data than it holds, or than the file can account for (exit code 2)."""
+
+
+def _element_bytes(data_type: int) -> float:
+    if data_type in _PACKED_4BIT:
+        return 0.5
+    if data_type == onnx.TensorProto.STRING:
+        return 0.0  # strings are counted by the bytes they hold
+    try:
+        return float(np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
+    except Exception as e:  # KeyError/TypeError/ValueError: a data type onnx does not know
+        raise DeclaredSizeError(f"unknown tensor data type {data_type}") from e
+
+
+def _elements(dims) -> int:
+    count = 1
+    for d in dims:
+        if d < 0:
+            raise DeclaredSizeError(f"negative dimension {d}")
+        count *= int(d)
+    return count
+
+
+def _tensor_bytes(tensor: "onnx.TensorProto", where: str, data_sizes: Mapping[str, int]) -> int:
+    """The bytes ``tensor`` declares (dims x element size), checked against the data it holds."""
+    try:
+        count = _elements(tensor.dims)
+        size = _element_bytes(tensor.data_type)
+    except DeclaredSizeError as e:
+        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r}: {e}") from None
+    declared = int(np.ceil(count * size))
+    held, what = None, ""
+    if tensor.data_type == onnx.TensorProto.STRING:
+        if len(tensor.string_data) != count:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {count} strings (dims "
+                                    f"{list(tensor.dims)}) but holds {len(tensor.string_data)}")
+        return sum(len(v) for v in tensor.string_data)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in tensor.external_data}
+        try:
+            offset, length = int(info.get("offset", 0)), info.get("length")
+            length = None if length is None else int(length)
+        except ValueError:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} has a malformed external data "
+                                    "offset or length") from None
+        available = data_sizes.get(info.get("location", ""), 0) - offset
+        held, what = (available if length is None else length), "bytes of external data"
+        if length is not None and length > available:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} reads {length} bytes at offset {offset}, "
+                                    f"beyond the end of {info.get('location')!r}")
+        mismatch = held < declared if length is None else held != declared  # without a length: the rest of the file
+        if mismatch:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
+                                    f"{list(tensor.dims)}) but has {held} {what}")
+        return declared
+    if tensor.HasField("raw_data"):
+        held, what = len(tensor.raw_data), "bytes of raw data"
+        expected = declared
+    else:
+        fields = [f for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+                  if len(getattr(tensor, f))]
+        held = sum(len(getattr(tensor, f)) for f in fields)
+        what = f"values in {'/'.join(fields) or 'no data field'}"
+        expected = count
+        if tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+            expected = 2 * count
+        elif tensor.data_type in _PACKED_4BIT:
+            expected = (count + 1) // 2
+    if held != expected:
+        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
+                                f"{list(tensor.dims)}) but holds {held} {what}")
+    return declared
+
+
+def _walk_graph(graph: "onnx.GraphProto", where: str, visit_tensor, visit_sparse, visit_node) -> None:
+    for tensor in graph.initializer:
+        visit_tensor(tensor, f"{where} initializer")
+    for sparse in graph.sparse_initializer:
+        visit_sparse(sparse, f"{where} sparse initializer")
+    _walk_nodes(graph.node, where, visit_tensor, visit_sparse, visit_node)
+
+
+def _walk_nodes(nodes, where: str, visit_tensor, visit_sparse, visit_node) -> None:
+    A = onnx.AttributeProto
+    for node in nodes:
+        at = f"{where} node {node.name or node.op_type!r}"
+        visit_node(node, at)
+        for attr in node.attribute:
+            label = f"{at} attribute {attr.name!r}"
+            if attr.type == A.TENSOR or attr.HasField("t"):
+                visit_tensor(attr.t, label)
+            for t in attr.tensors:
+                visit_tensor(t, label)
+            if attr.type == A.SPARSE_TENSOR or attr.HasField("sparse_tensor"):
+                visit_sparse(attr.sparse_tensor, label)
+            for t in attr.sparse_tensors:
+                visit_sparse(t, label)
+            if attr.type == A.GRAPH or attr.HasField("g"):
+                _walk_graph(attr.g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
+            for g in attr.graphs:
+                _walk_graph(g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
+
+
+def check_declared_sizes(model: "onnx.ModelProto", path: Path, allowance: int = DECLARED_ALLOWANCE) -> int:
+    """Check the sizes every tensor of ``model`` declares, before any runtime materialises them;
+    returns the bytes they declare together.
+
+    Every initializer, sparse initializer and tensor attribute (``Constant`` values and the like)
+    of the main graph, of every subgraph (``Loop``/``If``/``Scan`` bodies) and of every function is
+    counted at its declared size, dims x element size (a sparse tensor at its dense size, as a
+    runtime expands it). Each tensor's data must match its dims, and the total may not exceed the
+    model file's size plus its external data files' sizes plus ``allowance`` bytes. The shape a
+    ``ConstantOfShape`` or ``Expand`` node is given as a constant is held to the same budget.
+    ``model`` is parsed without its external data (their files' sizes are read, not their bytes).
+
+    Raises:
+        DeclaredSizeError: naming the tensor (or node), its declared size and the budget.
+    """
+    data_sizes: dict[str, int] = {}
+    budget = path.stat().st_size + allowance
+    for tensor in _all_tensor_protos(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if location and location not in data_sizes:
+                data_sizes[location] = (path.parent / location).stat().st_size
+    budget += sum(data_sizes.values())
+    total = 0
+    constants: dict[str, "onnx.TensorProto"] = {}
+
+    def refuse(name: str, where: str, size: int, what: str) -> None:
+        raise DeclaredSizeError(f"{path}: {where}: {what} {name!r} declares {size} bytes, beyond the "
+                                f"{budget} bytes this model's files can account for (their size plus "
+                                f"{allowance >> 20} MiB); refusing to load it")
+
+    def visit_tensor(tensor, where: str) -> None:
+        nonlocal total
+        try:
+            size = _tensor_bytes(tensor, where, data_sizes)
+        except DeclaredSizeError as e:
+            raise DeclaredSizeError(f"{path}: {e}; refusing to load it") from None
+        total += size
+        if total > budget:
+            refuse(tensor.name, where, size, "tensor")
+        if tensor.name and len(tensor.dims) <= 1 and tensor.data_type == onnx.TensorProto.INT64 and size <= 1024:
+            constants[tensor.name] = tensor
+
+    def visit_sparse(sparse, where: str) -> None:
+        nonlocal total
+        visit_tensor(sparse.values, f"{where} values")
+        visit_tensor(sparse.indices, f"{where} indices")
+        try:
+            dense = int(np.ceil(_elements(sparse.dims) * _element_bytes(sparse.values.data_type)))
+        except DeclaredSizeError as e:
+            raise DeclaredSizeError(f"{path}: {where}: sparse tensor {sparse.values.name!r}: {e}") from None
+        total += dense
+        if total > budget:
+            refuse(sparse.values.name, where, dense, "sparse tensor")
+
+    shaped: list[tuple[Any, str]] = []
+
+    def visit_node(node, where: str) -> None:
+        if node.op_type == "Constant" and node.output:  # small int64 constants may be shapes
+            for attr in node.attribute:
+                value = None
+                if attr.name == "value" and attr.t.data_type == onnx.TensorProto.INT64 and attr.t.ByteSize() <= 1024:
+                    value = numpy_helper.to_array(attr.t)
+                elif attr.name == "value_ints" and len(attr.ints) <= 64:
+                    value = np.asarray(attr.ints, np.int64)
+                if value is not None:
+                    constants.setdefault(node.output[0], numpy_helper.from_array(value, node.output[0]))
+        if node.op_type in _SHAPED_NODES and node.domain in ("", "ai.onnx"):
+            shaped.append((node, where))
+
+    for graph_where, graph in (("main graph", model.graph),):
+        _walk_graph(graph, graph_where, visit_tensor, visit_sparse, visit_node)
+    for function in model.functions:
+        _walk_nodes(function.node, f"function {function.name!r}", visit_tensor, visit_sparse, visit_node)
+    for node, where in shaped:
+        index = _SHAPED_NODES[node.op_type]
+        shape = constants.get(node.input[index]) if len(node.input) > index else None
+        if shape is None:
+            continue
+        dims = [int(d) for d in numpy_helper.to_array(shape).reshape(-1)]
+        element = 4.0
+        if node.op_type == "ConstantOfShape":
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            element = _element_bytes(value.data_type) if value is not None else 4.0
+        elif node.input[0] in constants:
+            element = _element_bytes(constants[node.input[0]].data_type)
+        size = int(np.ceil(_elements(max(d, 0) for d in dims) * element))
+        if size > budget:
+            refuse(node.output[0] if node.output else node.op_type, where, size, f"{node.op_type} output")
+    return total
+
+
+def _all_tensor_protos(model: "onnx.ModelProto"):
+    """Every TensorProto of ``model`` (initializers, sparse tensors' parts, attributes, subgraphs, functions)."""
+    found = []
+
+    def tensor(t, _where):
+        found.append(t)
+
+    def sparse(s, _where):
+        found.extend((s.values, s.indices))
+
+    _walk_graph(model.graph, "", tensor, sparse, lambda n, w: None)
+    for function in model.functions:
+        _walk_nodes(function.node, "", tensor, sparse, lambda n, w: None)
+    return found
 
 
 def check_external_data(path: Path):
@@ -366,6 +586,26 @@ def inference_session(path: str | Path, providers: list[str] | None = None, thre
         raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
 
 
+def ort_run(runner: Runner, session, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """``session.run(names, feeds)`` as a stoppable call of ``runner`` (:meth:`Runner.stoppable`):
+    at the run limit or on a signal the run's own ``RunOptions.terminate`` is set, which ONNX
+    Runtime checks between kernels and in every ``Loop``/``Scan`` iteration.
+
+    Raises:
+        RunTimeoutError: the run took longer than the run limit.
+        KeyboardInterrupt: a signal arrived meanwhile.
+    """
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = 4  # a terminated run is reported by the exception alone
+
+    def stop() -> None:
+        options.terminate = True
+
+    return runner.stoppable(lambda: session.run(names, feeds, options), stop)
+
+
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
               "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
               "tensor(uint8)": "uint8", "tensor(uint16)": "uint16", "tensor(bool)": "bool"}
@@ -410,8 +650,7 @@ class OnnxRunner(Runner):
         arrays = dict(feeds)
         for key in self.nchw & arrays.keys():
             arrays[key] = np.ascontiguousarray(arrays[key].transpose(0, 3, 1, 2))
-        values = self.session.run(self.output_names, arrays)
-        return dict(zip(self.output_names, values))
+        return dict(zip(self.output_names, ort_run(self, self.session, self.output_names, arrays)))
 
     def device_info(self) -> dict[str, Any]:
         return {"onnxruntime_providers_used": list(self.providers)}
@@ -429,7 +668,7 @@ class OnnxRunner(Runner):
         session = ort.InferenceSession(cut.SerializeToString(), options, providers=self.providers,
                                        provider_options=[self.provider_options.get(p, {}) for p in self.providers])
         names = [o.name for o in session.get_outputs()]
-        return lambda feeds: dict(zip(names, session.run(names, {k: np.asarray(v) for k, v in feeds.items()})))
+        return lambda feeds: dict(zip(names, ort_run(self, session, names, {k: np.asarray(v) for k, v in feeds.items()})))
 
     def _close(self) -> None:
         del self.session

@@ -31,6 +31,7 @@ from policy_export.exporter.parity import Tolerances
 from policy_export.policy.errors import CheckFailedError, ExportError, InputError
 from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
 from policy_export.exporter.replay import runnable_names
+from policy_export.exporter.watchdog import limited
 from policy_export.signatures.contract import Contract
 from policy_export.signatures.keys import (
     OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, action_key, is_state_in, state_in_key, state_out_key,
@@ -141,16 +142,17 @@ class _Agent:
         return nest_from_leaves(self.act_space, actions), actions
 
 
+@limited
 def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, device: str = "auto",
             max_steps: int | None = None, formats: list[str] | None = None,
-            return_tolerance: float = DEFAULT_RETURN_TOLERANCE) -> RolloutReport:
+            return_tolerance: float = DEFAULT_RETURN_TOLERANCE, *, run_timeout: float | None = None) -> RolloutReport:
     """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
 
     ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats that run
     the policy's signature (every format but ``keras``); the first is the reference, unless it is
     lossy: the float model (the SavedModel, else the export's first float format) is then put
     first. Lossy formats pass when their mean return is within ``return_tolerance`` (relative)
-    of the reference's.
+    of the reference's. ``run_timeout``: seconds one step's call into a runtime may take (default 600).
 
     Raises:
         CheckFailedError: a file of the export is changed, missing, extra or not a regular file

@@ -9,6 +9,10 @@ A runner is what a format's ``open`` returns. It runs the model by signature key
 Before running, the feeds are checked: a key the model does not take, or (with the export's
 contract) an array whose dtype or shape the contract does not allow, is an :class:`InputError`
 naming the input; nothing is run. Leaving the ``with`` block closes the runtime's session.
+
+Every call into the runtime goes through :meth:`Runner.stoppable` (:mod:`exporter.watchdog`): it
+is limited to the run limit in force (:func:`exporter.watchdog.run_limit`, 600 s by default, or the
+runner's own ``run_timeout``), and SIGINT/SIGTERM stop it although the runtime is in native code.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from policy_export.exporter.watchdog import Stoppable
 from policy_export.policy.errors import InputError
 from policy_export.signatures.contract import Contract
 
@@ -53,7 +58,9 @@ class Runner:
     outputs: dict[str, TensorMeta]
     contract: Contract | None = None
     accepted: frozenset[str] = frozenset()
+    run_timeout: float | None = None  # seconds per runtime call; None: the run limit in force
     _closed = False
+    _watch: Stoppable | None = None
 
     def __call__(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check ``feeds`` (see :meth:`check_feeds`) and run; outputs keyed by signature key."""
@@ -96,9 +103,30 @@ class Runner:
         """What the runtime runs on, for reports (e.g. ONNX Runtime's providers)."""
         return {}
 
+    def stoppable(self, call, stop=None):
+        """The result of ``call()`` (one call into the runtime), run so that the run limit holds and
+        signals stop it; ``stop`` tells the runtime to abandon the call (see
+        :meth:`exporter.watchdog.Stoppable.run`).
+
+        Raises:
+            RunTimeoutError: the call took longer than the run limit (it was stopped).
+            KeyboardInterrupt: a signal arrived meanwhile (the call was stopped first).
+        """
+        if self._watch is None:
+            self._watch = Stoppable(self.label)
+        return self._watch.run(call, stop, self.run_timeout)
+
+    @property
+    def stuck(self) -> bool:
+        """A call was told to stop and did not: the runtime may still be busy in its thread."""
+        return self._watch is not None and self._watch.stuck
+
     def close(self) -> None:
+        """Close the runtime's session (left to the process's exit while a stopped call still runs in it)."""
         if not self._closed:
             self._closed = True
+            if self.stuck:
+                return
             self._close()
 
     def __enter__(self) -> "Runner":

@@ -21,6 +21,7 @@ import tensorflow as tf
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.runner import HeadUnavailable, Runner, TensorMeta
 from policy_export.exporter.trust import check_graph_def, check_saved_model
+from policy_export.exporter.watchdog import RunTimeoutError, current_limit
 from policy_export.policy.errors import ExportError
 from policy_export.policy.graph import session_config
 from policy_export.signatures.builder import SERVING_KEY, find_signature
@@ -180,7 +181,15 @@ class TFGraphRunner(Runner):
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed_dict = {self.input_tensors[k]: v for k, v in feeds.items() if k in self.input_tensors}
         feed_dict.update(self._constants)
-        values = self.session.run(self.output_tensors, feed_dict)
+        # the session keeps the deadline itself (timeout_in_ms cancels the step, While loops included);
+        # on a signal the session is closed, which cancels the running step
+        limit = self.run_timeout or current_limit()
+        options = tf1.RunOptions(timeout_in_ms=max(1, int(limit * 1000)))
+        try:
+            values = self.stoppable(lambda: self.session.run(self.output_tensors, feed_dict, options=options),
+                                    self.session.close)
+        except tf.errors.DeadlineExceededError as e:
+            raise RunTimeoutError(self.label, limit) from e
         return {k: np.asarray(v) for k, v in values.items()}
 
     def _close(self) -> None:

@@ -93,7 +93,10 @@ class TFLiteRunner(Runner):
             else:
                 raise InputError(f"{self.label}: required input {key!r} is missing")
             arrays[key] = np.ascontiguousarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None)
-        values = self.signature(**arrays)
+        # the interpreter cannot be told to stop: at the run limit or on a signal its call is left
+        # to finish in a background thread (the runner is then never closed or run again)
+        signature = self.signature
+        values = self.stoppable(lambda: signature(**arrays))
         return {k: np.array(v, copy=True) for k, v in values.items()}
 
     def device_info(self) -> dict[str, Any]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 
+from policy_export.policy import jsonio
 from policy_export.policy.errors import SpecError
 from policy_export.policy.spaces import _Problems, _is_int, leaves, parse_space, space_to_json
 
@@ -109,15 +112,11 @@ def load_spec(path: str | Path) -> PolicySpec:
         size = file.stat().st_size
         if size > MAX_SPEC_BYTES:
             raise SpecError(str(file), [("$", f"{size} bytes exceed the limit of {MAX_SPEC_BYTES} for a spec file")])
-        obj = json.loads(file.read_text(encoding="utf-8"))
+        obj = jsonio.loads(file.read_bytes(), str(file), MAX_SPEC_BYTES)
     except OSError as e:
         raise SpecError(str(file), [("$", f"cannot be read: {e.strerror or e}")]) from e
-    except RecursionError as e:
-        raise SpecError(str(file), [("$", "JSON nested too deeply")]) from e
-    except UnicodeDecodeError as e:
-        raise SpecError(str(file), [("$", f"not UTF-8 text ({e.reason})")]) from e
-    except json.JSONDecodeError as e:
-        raise SpecError(str(file), [("$", f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")]) from e
+    except jsonio.JSONError as e:
+        raise SpecError(str(file), [("$", e.problem)]) from e
     return spec_from_json(obj, base_dir=file.parent, source=str(file))
 
 
@@ -146,9 +145,9 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
         if not (isinstance(weights, str) and weights):
             problems.add("$.weights", f"expected a file path string, got {weights!r}")
         else:
-            weights_path = (base_dir or Path.cwd()) / weights
-            if base_dir is not None and not weights_path.is_file():
-                problems.add("$.weights", f"file not found: {weights_path}")
+            weights_path, problem = _weights_path(weights, base_dir)
+            if problem is not None:
+                problems.add("$.weights", problem)
 
     obs = parse_space(obj["observation_space"], "$.observation_space", problems) if "observation_space" in obj else None
     act = parse_space(obj["action_space"], "$.action_space", problems) if "action_space" in obj else None
@@ -162,6 +161,45 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
         name=name, observation_space=obs, action_space=act, model=model,
         weights=weights_path, seed=seed, format_version=version,
     )
+
+
+def _weights_path(weights: str, base_dir: Path | None) -> tuple[Path | None, str | None]:
+    """``base_dir / weights`` if it names a regular file inside ``base_dir``, else the problem.
+
+    The path must be relative without ``..`` parts (``.`` and repeated slashes are ignored), no component of
+    it may be a symbolic link, and its real path must lie inside the real ``base_dir``: a spec
+    only ever reads weights from its own directory. Without ``base_dir`` (a spec built in
+    Python) the path is taken relative to the working directory, under the same rules.
+    """
+    rule = "must be a relative path to a file inside the spec's directory"
+    if "\x00" in weights or "\\" in weights:
+        return None, f"{weights!r} {rule} (no NUL or backslash characters)"
+    if os.path.isabs(weights):
+        return None, f"{weights!r} is an absolute path; it {rule}: copy the file next to policy.json"
+    parts = [p for p in weights.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        return None, f"{weights!r} leaves the spec's directory through '..'; it {rule}: copy the file next to policy.json"
+    if not parts:
+        return None, f"{weights!r} names the spec's directory itself; it {rule}"
+    base = base_dir if base_dir is not None else Path.cwd()
+    path = base.joinpath(*parts)
+    node = base
+    for part in parts:
+        node = node / part
+        try:
+            mode = os.lstat(node).st_mode
+        except FileNotFoundError:
+            return (path, f"file not found: {path}") if base_dir is not None else (path, None)
+        except OSError as e:
+            return path, f"{node} cannot be examined: {e.strerror}"
+        if stat.S_ISLNK(mode):
+            return path, f"{node} is a symbolic link; the weights file {rule}, and links are not followed"
+    real_base, real = os.path.realpath(base), os.path.realpath(path)
+    if os.path.commonpath([real_base, real]) != real_base:
+        return path, f"{weights!r} resolves to {real}, outside the spec's directory; it {rule}"
+    if not stat.S_ISREG(mode):
+        return path, f"{path} is not a regular file"
+    return path, None
 
 
 def _parse_model(obj: Any, problems: _Problems) -> ModelConfig | None:

@@ -133,12 +133,12 @@ def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),
                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not list(tmp_path.glob(".out.partial-*/saved_model")) and time.time() < deadline:
+    while not list(tmp_path.glob(".pe-*.partial/saved_model")) and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists()  # never a half-written export at the target
-    assert list(tmp_path.glob(".out.partial-*"))  # the killed process could not clean up
+    assert list(tmp_path.glob(".pe-*.partial"))  # the killed process could not clean up
     result = export_spec(FIXTURES_DIR / "cartpole_mlp", out, formats=["onnx"], samples=32, explore_samples=0,
                          device="cpu")
     assert result.parity.passed
@@ -271,7 +271,9 @@ def test_fuzzed_h5_files_give_only_weights_errors_and_change_nothing(data, polic
 
 
 def test_a_lock_file_left_by_a_dead_process_does_not_block(tmp_path):
-    (tmp_path / ".out.lock").write_text("")  # left empty by a kill between create and write
+    from policy_export.exporter.staging import lock_path
+
+    lock_path(tmp_path / "out").write_text("")  # left empty by a kill between create and write
     with staged_directory(tmp_path / "out") as stage:
         (stage / "manifest.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -286,12 +288,12 @@ def test_glob_characters_in_the_name_touch_no_other_export(tmp_path):
 
 
 def test_an_export_killed_between_its_renames_gets_its_old_export_back(tmp_path):
-    from policy_export.exporter.staging import MARKER
+    from policy_export.exporter.staging import _write_journal
 
-    old = tmp_path / ".out.old-xyz"
+    old = tmp_path / ".pe-0123456789abcdef.old"
     old.mkdir()
     (old / "manifest.json").write_text('{"old": true}')
-    (old / MARKER).write_text(json.dumps({"tool": "policy-export", "role": "old", "target": "out"}))
+    _write_journal(tmp_path / "out", {"partial": None, "old": old.name})
     with pytest.raises(ExportError):  # no --overwrite: the restored export stays
         with staged_directory(tmp_path / "out") as stage:
             (stage / "manifest.json").write_text("{}")

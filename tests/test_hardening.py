@@ -23,7 +23,7 @@ import pytest
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import manifest
-from policy_export.exporter.staging import MARKER, staged_directory
+from policy_export.exporter.staging import _write_journal, journal_path, lock_path, staged_directory
 from policy_export.policy import ExportError, InputError, SpecError, WeightsError, spec_from_json
 from policy_export.policy.h5io import read_h5_weights
 from test_cli import cli
@@ -167,7 +167,7 @@ def test_overwrite_replaces_a_real_export(tmp_path, exports):
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    (tmp_path / ".out.lock").symlink_to(victim)
+    lock_path(tmp_path / "out").symlink_to(victim)
     before = snapshot(tmp_path)
     proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "out"))
     one_line_error(proc, 2, "lock file")
@@ -175,7 +175,7 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
 
 
 def test_a_fifo_lock_file_is_refused_without_hanging(tmp_path):
-    os.mkfifo(tmp_path / ".out.lock")
+    os.mkfifo(lock_path(tmp_path / "out"))
     with pytest.raises(ExportError, match="not a regular file"):
         with staged_directory(tmp_path / "out"):
             pass
@@ -185,27 +185,25 @@ def test_a_fifo_lock_file_is_refused_without_hanging(tmp_path):
 def test_a_hard_linked_lock_file_is_never_truncated(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    os.link(victim, tmp_path / ".out.lock")
+    os.link(victim, lock_path(tmp_path / "out"))
     with staged_directory(tmp_path / "out") as stage:
         (stage / "manifest.json").write_text("{}")
     assert victim.read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "victim.txt"]
 
 
-def test_stale_cleanup_touches_only_what_the_tool_marked(tmp_path):
+def test_stale_cleanup_touches_only_what_the_journal_names(tmp_path):
     backup = tmp_path / ".out.old-backup-2024"
-    keep = tmp_path / ".out.old-keep"
-    partial = tmp_path / ".out.partial-notes"
+    keep = tmp_path / ".pe-0000000000000000.old"
+    partial = tmp_path / ".pe-1111111111111111.partial"
     for d in (backup, keep, partial):
         d.mkdir()
         (d / "manifest.json").write_text('{"user": true}')
-    ours = tmp_path / ".out.partial-abc123"
+    ours = tmp_path / ".pe-abcdefabcdef1234.partial"
     ours.mkdir()
-    (ours / MARKER).write_text(json.dumps({"tool": "policy-export", "role": "partial", "target": "out"}))
-    other_target = tmp_path / ".out.partial-xyz"
-    other_target.mkdir()
-    (other_target / MARKER).write_text(json.dumps({"tool": "policy-export", "role": "partial", "target": "other"}))
-    before = snapshot(tmp_path, skip=(ours.name,))
+    (ours / "half.bin").write_text("x")
+    _write_journal(tmp_path / "out", {"partial": ours.name, "old": None})
+    before = snapshot(tmp_path, skip=(ours.name, journal_path(tmp_path / "out").name))
     with staged_directory(tmp_path / "out") as stage:
         (stage / "manifest.json").write_text("{}")
     after = snapshot(tmp_path, skip=("out",))
@@ -214,8 +212,8 @@ def test_stale_cleanup_touches_only_what_the_tool_marked(tmp_path):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == {}  # no user dir was moved into place
 
 
-def test_a_marked_old_export_is_restored_and_an_unmarked_one_is_not(tmp_path):
-    mine = tmp_path / ".out.old-keep"
+def test_a_journalled_old_export_is_restored_and_an_unjournalled_one_is_not(tmp_path):
+    mine = tmp_path / ".pe-2222222222222222.old"
     mine.mkdir()
     (mine / "manifest.json").write_text('{"user": true}')
     with pytest.raises(ExportError):  # nothing restored, so the stage lands; then the next export refuses
@@ -226,15 +224,15 @@ def test_a_marked_old_export_is_restored_and_an_unmarked_one_is_not(tmp_path):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == {"new": True}
     assert json.loads((mine / "manifest.json").read_text()) == {"user": True}
     shutil.rmtree(tmp_path / "out")
-    ours = tmp_path / ".out.old-zz"
+    ours = tmp_path / ".pe-3333333333333333.old"
     ours.mkdir()
     (ours / "manifest.json").write_text('{"old": true}')
-    (ours / MARKER).write_text(json.dumps({"tool": "policy-export", "role": "old", "target": "out"}))
+    _write_journal(tmp_path / "out", {"partial": None, "old": ours.name})
     with pytest.raises(ExportError):
         with staged_directory(tmp_path / "out") as stage:
             pass
     assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == {"old": True}
-    assert not (tmp_path / "out" / MARKER).exists() and mine.is_dir()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json"] and mine.is_dir()
 
 
 @pytest.mark.slow
@@ -245,9 +243,9 @@ def test_termination_signals_clean_up_like_an_interrupt(tmp_path, sig):
                              "--out", str(out), "--samples", "64"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not list(tmp_path.glob(".out.partial-*/saved_model")) and time.time() < deadline:
+    while not list(tmp_path.glob(".pe-*.partial/saved_model")) and time.time() < deadline:
         time.sleep(0.02)
-    assert list(tmp_path.glob(".out.partial-*")), "the export never started staging"
+    assert list(tmp_path.glob(".pe-*.partial")), "the export never started staging"
     proc.send_signal(getattr(signal, sig))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
@@ -306,9 +304,11 @@ RLLIB_SAVED_MODELS = sorted(str(p.parent.relative_to(FIXTURES_DIR))
 @pytest.mark.skipif(not RLLIB_SAVED_MODELS, reason="no RLlib SavedModel fixtures")
 @pytest.mark.parametrize("rel", RLLIB_SAVED_MODELS)
 def test_rllib_saved_models_with_whole_training_graphs_pass_the_check(rel):
-    from policy_export.exporter.trust import check_saved_model
+    from policy_export.exporter import trust
 
-    check_saved_model(FIXTURES_DIR / rel)
+    path = FIXTURES_DIR / rel  # the training graph is pruned away: only the serving subgraph is checked
+    for meta in trust.read_saved_model(path).meta_graphs:
+        trust.check_meta_graph(trust.prune_to_serving(meta), str(path), budget=trust.saved_model_budget(path))
 
 
 def test_a_restore_op_reading_another_path_is_refused(tmp_path):
@@ -779,7 +779,7 @@ def test_a_frozen_graph_with_side_effect_or_checkpoint_ops_is_refused(tmp_path, 
 def test_an_output_path_that_is_a_symlink_or_a_lock_that_is_a_directory_is_refused(tmp_path, exports):
     real = copy_export(exports, tmp_path)
     (tmp_path / "link").symlink_to(real, target_is_directory=True)
-    (tmp_path / ".other.lock").mkdir()
+    lock_path(tmp_path / "other").mkdir()
     before = snapshot(tmp_path)
     with pytest.raises(ExportError, match="symbolic link"):
         with staged_directory(tmp_path / "link", overwrite=True):
