@@ -8,7 +8,6 @@ SavedModel is called through its serving signature with ``tf.saved_model.load``.
 
 from __future__ import annotations
 
-import json
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from policy_export.exporter.context import ExportContext, FormatRecord
 from policy_export.exporter.runner import Runner, TensorMeta
 from policy_export.exporter.tf_runner import glob_free_path
 from policy_export.exporter.trust import check_saved_model
+from policy_export.policy import jsonio
 from policy_export.policy.errors import ExportError
 
 DIRNAME = "keras"
@@ -107,10 +107,10 @@ def _read_config(path: Path) -> Any:
     try:
         if path.suffix == ".keras":
             with zipfile.ZipFile(path) as z:
-                return json.loads(z.read("config.json"))
+                return jsonio.loads(z.read("config.json"), f"{path}:config.json")
         with h5py.File(path, "r") as f:
             raw = f.attrs.get("model_config")
-            return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            return jsonio.loads(raw, f"{path}:model_config")
     except Exception as e:  # zip, h5 and JSON errors alike mean "not a model file"
         raise ExportError(f"{path} is not a readable Keras model file: {e}") from e
 

@@ -8,11 +8,13 @@ import json
 import os
 import platform
 import stat
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from policy_export.policy import jsonio
 from policy_export.policy.errors import ExportError
 
 MANIFEST = "manifest.json"
@@ -139,6 +141,11 @@ def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, st
     listed = {f["path"]: f for f in manifest["files"]}
     found = scan(root)
     problems, untrusted = [], set()
+    if len(listed) != len(manifest["files"]):
+        counts = Counter(f["path"] for f in manifest["files"])
+        twice = sorted(path for path, n in counts.items() if n > 1)
+        problems += [f"file {path} is listed more than once in the manifest" for path in twice]
+        untrusted.update(twice)
     for path, kind in sorted(found.special.items()):
         problems.append(f"changed file {path} (a {kind}, not a regular file)")
         untrusted.add(path)
@@ -220,9 +227,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ExportError(f"{path} is larger than the {MAX_MANIFEST_BYTES >> 20} MiB limit for a manifest")
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ExportError(f"{path} is not valid JSON: {e}") from e
+        obj = jsonio.loads(raw, str(path), MAX_MANIFEST_BYTES)
+    except jsonio.JSONError as e:
+        raise ExportError(f"{path}: {e.problem}") from e
     required = ("manifest_version", "contract", "files", "formats", "tensor_names", "tolerances")
     missing = [k for k in required if not isinstance(obj, dict) or k not in obj]
     if missing:
@@ -239,11 +246,20 @@ def _field_problems(obj: dict[str, Any]) -> list[str]:
     problems = []
     files = obj["files"]
     if not isinstance(files, list) or not all(_is_file_record(f) for f in files):
-        problems.append("files: expected a list of {path, size, sha256} with relative paths inside the export")
+        problems.append("files: expected a list of {path, size, sha256} with normalised relative POSIX paths "
+                        "inside the export (no '.', '..', empty parts or backslashes) and 64-digit hex sha256")
+    else:
+        seen: set[str] = set()
+        for f in files:
+            if f["path"] in seen:
+                problems.append(f"files: {f['path']!r} is listed more than once; each file is listed once")
+                break
+            seen.add(f["path"])
     formats = obj["formats"]
     if not (isinstance(formats, dict) and all(isinstance(k, str) and isinstance(v, dict) and _is_paths(v.get("files", []))
                                               for k, v in formats.items())):
-        problems.append("formats: expected an object of format name -> {files: [paths] or {name: path}, ...}")
+        problems.append("formats: expected an object of format name -> {files: [paths] or {name: path}, ...} "
+                        "with normalised relative POSIX paths")
     if not isinstance(obj["tensor_names"], dict):
         problems.append("tensor_names: expected an object")
     problems += _contract_problems(obj["contract"])
@@ -263,16 +279,27 @@ def _field_problems(obj: dict[str, Any]) -> list[str]:
 
 def _is_paths(files: Any) -> bool:
     values = files.values() if isinstance(files, dict) else files
-    return isinstance(files, (list, dict)) and all(isinstance(p, str) for p in values)
+    return isinstance(files, (list, dict)) and all(
+        isinstance(p, str) and _is_export_path(p[:-1] if p.endswith("/") else p) for p in values)
 
 
 def _is_file_record(f: Any) -> bool:
     if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str)
             and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool)):
         return False
-    parts = f["path"].split("/")
-    return bool(f["path"]) and not f["path"].startswith("/") and ".." not in parts and "" not in parts \
-        and "\x00" not in f["path"]
+    return _is_export_path(f["path"]) and _is_sha256(f["sha256"]) and f["size"] >= 0 and f["path"] != MANIFEST
+
+
+def _is_export_path(path: str) -> bool:
+    """Whether ``path`` is a normalised relative POSIX path inside an export: no leading ``/``,
+    no ``.``, ``..`` or empty parts, no backslash and no control characters."""
+    parts = path.split("/")
+    return bool(path) and all(p not in ("", ".", "..") for p in parts) and "\\" not in path \
+        and all(ord(c) >= 32 and c != "\x7f" for c in path)
+
+
+def _is_sha256(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _is_tolerance(t: Any) -> bool:

@@ -8,7 +8,9 @@ arrays: no pickles, no model config.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,7 +22,7 @@ from policy_export.policy.errors import WeightsError
 from policy_export.policy.models import weight_key
 
 MAX_WEIGHTS_BYTES = 2 << 30  # declared size of all weights read from one file
-_NUMERIC_KINDS = "biufc"
+_REAL_KINDS = "fiu"  # float, signed and unsigned integer: what a weight variable can hold
 
 
 def read_h5_weights(path: str | Path,
@@ -31,19 +33,34 @@ def read_h5_weights(path: str | Path,
     comes back as a zero-strided array of its declared shape (no memory is allocated), so the
     caller can report the mismatch.
 
-    Only data inside the file is read: external links, external dataset storage and virtual
-    datasets are refused, and every dataset's declared shape and dtype are checked (numeric,
-    :data:`MAX_WEIGHTS_BYTES` in all) before any is read.
+    The file is opened without following a symbolic link and must be a regular file. Only data
+    inside it is read: external links, external dataset storage and virtual datasets are refused,
+    and every dataset's declared shape and dtype are checked (real float or integer numbers: no
+    complex, bool, string or compound data; :data:`MAX_WEIGHTS_BYTES` in all) before any is read.
 
     Raises:
-        WeightsError: the file is missing, is not HDF5, is not in Keras's weights layout, or
-            refers to data outside itself or beyond the size limit.
+        WeightsError: the file is missing, a symbolic link or not a regular file, is not HDF5,
+            is not in Keras's weights layout, holds a dataset that is not real numbers, or refers
+            to data outside itself or beyond the size limit.
     """
     path = Path(path)
-    if not path.is_file():
-        raise WeightsError(str(path), ["file not found"])
     try:
-        with h5py.File(path, "r") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise WeightsError(str(path), ["file not found"]) from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise WeightsError(str(path), ["the file is a symbolic link; give the weights file itself"]) from e
+        raise WeightsError(str(path), [f"cannot be read: {e.strerror}"]) from e
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WeightsError(str(path), ["not a regular file"])
+        return _read_weights(handle, path, expected_shapes)
+
+
+def _read_weights(handle, path: Path, expected_shapes: Mapping[str, tuple[int, ...]] | None) -> dict[str, np.ndarray]:
+    try:
+        with h5py.File(handle, "r") as f:
             root = _member(f, "model_weights", path) if "model_weights" in f else f
             if "layer_names" not in root.attrs:
                 raise WeightsError(str(path), ["not a Keras weights file (no 'layer_names' attribute)"])
@@ -133,8 +150,10 @@ def _check_datasets(found: list[tuple[str, "h5py.Dataset"]], path: Path,
                                            f"{[e[0] for e in data.external]}; only data inside the file is read"])
         if data.is_virtual:
             raise WeightsError(str(path), [f"weight {key!r} is a virtual dataset; only data inside the file is read"])
-        if data.dtype.kind not in _NUMERIC_KINDS or data.dtype.fields is not None:
-            raise WeightsError(str(path), [f"weight {key!r} has dtype {data.dtype}, not a numeric array"])
+        if data.dtype.kind not in _REAL_KINDS or data.dtype.fields is not None or data.dtype.subdtype is not None:
+            raise WeightsError(str(path), [f"weight {key!r} (dataset {data.name}) has dtype {data.dtype}; weights "
+                                           "are arrays of real numbers (float or integer), never cast from "
+                                           "complex, bool, string or compound data"])
         if data.shape is None:
             raise WeightsError(str(path), [f"weight {key!r} has no shape (an empty dataset)"])
         if expected_shapes is not None and tuple(expected_shapes.get(key, ())) != tuple(data.shape):

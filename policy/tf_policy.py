@@ -16,6 +16,7 @@ Inputs and outputs are keyed by their signature keys (``observations``, ``explor
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -374,13 +375,18 @@ class TFPolicy:
             if arr.shape != want:
                 problems.append(f"weight {key!r} has shape {list(arr.shape)}, the policy expects {list(want)}")
                 continue
-            if not np.issubdtype(arr.dtype, np.number):
-                problems.append(f"weight {key!r} has non-numeric dtype {arr.dtype}")
+            if arr.dtype.kind not in "fiu" or arr.dtype.fields is not None:
+                problems.append(f"weight {key!r} has dtype {arr.dtype}; weights are real numbers (float or "
+                                "integer) and are never cast from complex, bool, string or other data")
                 continue
             if not allow_non_finite and not np.all(np.isfinite(arr)):
                 problems.append(f"weight {key!r} holds NaN or Inf values")
                 continue
-            assignments.append((var, arr.astype(var.dtype.as_numpy_dtype)))
+            value, problem = _exact_cast(arr, np.dtype(var.dtype.as_numpy_dtype))
+            if problem is not None:
+                problems.append(f"weight {key!r} {problem}")
+                continue
+            assignments.append((var, value))
         if problems:
             raise WeightsError(source, problems)
         return assignments
@@ -409,6 +415,22 @@ class TFPolicy:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
+
+
+def _exact_cast(arr: np.ndarray, want: np.dtype) -> tuple[np.ndarray | None, str | None]:
+    """``arr`` as ``want`` if every value converts exactly (float64 values that float32 holds,
+    integers within range), else the problem: a weight's values are never changed by a cast."""
+    if arr.dtype == want:
+        return arr, None
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = arr.astype(want)
+        exact = np.array_equal(value.astype(arr.dtype), arr, equal_nan=np.issubdtype(want, np.floating)
+                               and np.issubdtype(arr.dtype, np.floating))
+    if not exact:
+        return None, (f"has dtype {arr.dtype} values that the policy's {want} variable cannot hold exactly; "
+                      f"convert the weights to {want} first")
+    return value, None
 
 
 def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:
