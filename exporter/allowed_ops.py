@@ -24,6 +24,19 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ALLOWED_OPS = frozenset({
+    # further pure computation policies of the same kinds use (other activations, math, pooling, layouts,
+    # TF 2.15's Keras LSTM with its cuDNN branch, RLlib's DQN/SAC heads); none reads or writes outside tensors
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atan2", "Atanh", "AvgPool", "BatchMatMul", "BatchMatMulV2",
+    "BatchMatMulV3", "BroadcastArgs", "BroadcastTo", "Ceil", "CheckNumerics", "ClipByValue", "Cos", "Cosh",
+    "CudnnRNN", "CudnnRNNBackprop", "CudnnRNNBackpropV2", "CudnnRNNV2", "Cumsum", "DepthwiseConv2dNative",
+    "Digamma", "DivNoNan", "Einsum", "EluGrad", "EnsureShape", "Erf", "Erfc", "Expm1", "Floor", "GatherNd",
+    "Identity", "IsFinite", "IsInf", "IsNan", "LeakyRelu", "LeakyReluGrad", "Lgamma", "Log", "Log1p",
+    "LogicalOr", "MatrixBandPart", "MatrixDiag", "MatrixDiagV3", "MaxPool", "Mean", "Min", "MirrorPad", "Mod",
+    "MulNoNan", "NotEqual", "Pad", "PadV2", "Pow", "PreventGradient", "Rank", "Reciprocal", "Relu6",
+    "Relu6Grad", "ReluGrad", "ReverseV2", "Rint", "Round", "Rsqrt", "ScatterNd", "Selu", "SeluGrad",
+    "ShapeN", "Sin", "Sinh", "Size", "Softmax", "SoftplusGrad", "Softsign", "Sqrt", "SquaredDifference",
+    "StopGradient", "Tan", "TopKV2", "TruncateDiv", "Where", "Xlogy", "Xdivy", "LessEqual", "Cumprod",
+    "ArgMin", "Bucketize", "ClipByValue", "Softmax",
     # graph structure: inputs, constants, identities, no-ops
     "Const", "Identity", "IdentityN", "NoOp", "Placeholder", "PlaceholderWithDefault",
     # function calls and functional control flow (the called functions are checked too)
