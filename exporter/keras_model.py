@@ -74,12 +74,37 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
 _SAFE_EXTRA = ("Functional", "Model", "Sequential", "TFOpLambda", "SlicingOpLambda", "Policy", "DTypePolicy")
 
 
+# TF API symbols a ``TFOpLambda``/``SlicingOpLambda`` layer may name (its ``function``): pure tensor computation
+# only. Keras resolves the name against the whole ``tf`` namespace, so any other name (``io.write_file``...) is refused.
+OP_LAMBDA_FUNCTIONS = frozenset({
+    # array manipulation
+    "cast", "concat", "expand_dims", "fill", "gather", "identity", "one_hot", "ones_like", "rank", "reshape",
+    "sequence_mask", "shape", "size", "split", "squeeze", "stack", "tile", "transpose", "unstack", "where",
+    "zeros_like", "broadcast_to", "clip_by_value", "stop_gradient",
+    # element-wise math and reductions
+    "abs", "add", "argmax", "argmin", "divide", "exp", "maximum", "minimum", "multiply", "negative", "pow",
+    "sqrt", "square", "subtract", "tanh", "sigmoid", "reduce_max", "reduce_mean", "reduce_min", "reduce_sum",
+    "math.abs", "math.add", "math.argmax", "math.argmin", "math.divide", "math.exp", "math.log", "math.log1p",
+    "math.maximum", "math.minimum", "math.multiply", "math.negative", "math.pow", "math.reduce_max",
+    "math.reduce_mean", "math.reduce_min", "math.reduce_sum", "math.sigmoid", "math.softplus", "math.sqrt",
+    "math.square", "math.subtract", "math.tanh", "math.truediv", "math.floordiv", "math.equal", "math.greater",
+    "math.less", "math.logical_and", "math.logical_not", "math.logical_or", "linalg.matmul", "matmul",
+    "nn.relu", "nn.elu", "nn.selu", "nn.softmax", "nn.log_softmax", "nn.softplus", "nn.leaky_relu", "nn.bias_add",
+    # Python operators on Keras tensors (x + y, x[:, :1], ...)
+    "__operators__.add", "__operators__.sub", "__operators__.mul", "__operators__.truediv",
+    "__operators__.floordiv", "__operators__.neg", "__operators__.pow", "__operators__.getitem",
+    "__operators__.eq", "__operators__.ne", "__operators__.lt", "__operators__.le", "__operators__.gt",
+    "__operators__.ge", "__operators__.and", "__operators__.or", "__operators__.invert",
+})
+_OP_LAMBDAS = ("TFOpLambda", "SlicingOpLambda")
+
+
 def check_config_safe(config: Any, source: str) -> None:
     """Refuse a model config naming a class that is not built into tf-keras, or ``Lambda``.
 
     Every object in the config (layers, nested models, wrappers, cells, initializers,
-    regularizers, constraints...) is checked. ``TFOpLambda``/``SlicingOpLambda`` only name a
-    TF API symbol; ``Lambda`` would deserialise and run code from the file.
+    regularizers, constraints...) is checked. ``TFOpLambda``/``SlicingOpLambda`` may name only a TF API
+    symbol of :data:`OP_LAMBDA_FUNCTIONS`; ``Lambda`` would deserialise and run code from the file.
     """
     import tf_keras as keras
 
@@ -92,6 +117,11 @@ def check_config_safe(config: Any, source: str) -> None:
                 known = isinstance(cls, str) and (cls in _SAFE_EXTRA or any(hasattr(m, cls) for m in modules))
                 if not known or cls == "Lambda":
                     raise ExportError(f"{source}: class {cls!r} is not built into tf-keras; refusing to load it")
+                if cls in _OP_LAMBDAS:
+                    fn = node["config"].get("function") if isinstance(node["config"], dict) else None
+                    if fn not in OP_LAMBDA_FUNCTIONS:
+                        raise ExportError(f"{source}: layer {cls} names TF function {fn!r}, which is not on the list "
+                                          "of pure tensor functions a Keras file may call; refusing to load it")
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):

@@ -230,3 +230,27 @@ def test_one_flipped_byte_of_the_same_size_fails_verify_naming_the_file(tmp_path
         assert report["errors"]["onnx"] == "not loaded: its files failed the hash check"
         assert not any(r["format"] == "onnx" for r in report["records"])
     assert snapshot(tmp_path, skip=("r.json",)) == before
+
+
+def test_a_keras_op_layer_naming_a_file_writing_tf_function_is_refused_before_loading(tmp_path):
+    import h5py
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from policy_export.exporter.keras_model import OP_LAMBDA_FUNCTIONS, KerasRunner
+    from policy_export.policy import ExportError
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, tf.concat([inputs, inputs], axis=-1))  # a real TFOpLambda layer
+    path = tmp_path / "ops.h5"
+    model.save(path, save_format="h5")
+    with h5py.File(path, "r+") as f:
+        config = f.attrs["model_config"]
+        config = config.decode() if isinstance(config, bytes) else config
+        assert '"function": "concat"' in config
+        f.attrs["model_config"] = config.replace('"function": "concat"', '"function": "io.write_file"')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ExportError, match=r"TFOpLambda names TF function 'io.write_file'"):
+        KerasRunner(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert "io.write_file" not in OP_LAMBDA_FUNCTIONS and "concat" in OP_LAMBDA_FUNCTIONS
