@@ -82,14 +82,10 @@ def localize(frozen_graph: Path, onnx_path: Path, input_names: Mapping[str, str]
     import tensorflow as tf
 
     from policy_export.exporter.onnx_model import check_file
-    from policy_export.exporter.trust import check_graph_def
+    from policy_export.exporter.trust import check_graph_def, read_graph_def
 
     tf1 = tf.compat.v1
-    graph_def = tf1.GraphDef()
-    try:
-        graph_def.ParseFromString(Path(frozen_graph).read_bytes())
-    except Exception as e:  # protobuf raises its own DecodeError
-        raise ExportError(f"{frozen_graph} is not a serialized GraphDef: {e}") from e
+    graph_def = read_graph_def(frozen_graph)
     check_graph_def(graph_def, str(frozen_graph))
     check_file(Path(onnx_path))
     model = onnx.load(str(onnx_path))

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.runner import HeadUnavailable, Runner, TensorMeta
-from policy_export.exporter.trust import check_graph_def, check_saved_model
+from policy_export.exporter.trust import check_graph_def, check_saved_model, read_graph_def
 from policy_export.exporter.watchdog import RunTimeoutError, current_limit
 from policy_export.policy.errors import ExportError
 from policy_export.policy.graph import session_config
@@ -145,11 +145,7 @@ class TFGraphRunner(Runner):
             UnsafeModelError: the graph holds an op that may not be loaded.
             ExportError: not a serialized GraphDef, or a tensor named in ``tensor_names`` is missing.
         """
-        graph_def = tf1.GraphDef()
-        try:
-            graph_def.ParseFromString(Path(path).read_bytes())
-        except Exception as e:  # protobuf raises its own DecodeError
-            raise ExportError(f"{path} is not a serialized GraphDef: {e}") from e
+        graph_def = read_graph_def(path)  # no link, a regular file, its size capped before parsing
         check_graph_def(graph_def, str(path))  # before any of its ops can run
         constants = _lift_large_constants(graph_def)
         graph = tf.Graph()
