@@ -109,3 +109,133 @@ def test_convert_of_a_legacy_model_loads_no_training_op(tmp_path):
         policy.close()
     assert not ops & {"ResourceApplyAdam", "ApplyAdam", "BroadcastGradientArgs", "Log", "Mean"}
     assert "SaveV2" not in ops and "RestoreV2" not in ops
+
+
+# ------------------------------------------------------------------ hostile ops crafted into real graphs
+
+HOSTILE_OPS = ("DatasetFromGraph", "DumpTensor", "RpcClient", "CalibrationStatisticsSaver", "RecordInput",
+               "SnapshotChunkDataset", "ListSnapshotChunksDataset", "RegisterDataset", "DTensorRestoreV2",
+               "WriteFile", "ImmutableConst", "PyFunc")
+
+
+def _with_hostile_node(pb: Path, op: str, where: str, victim: Path) -> None:
+    """Rewrite ``saved_model.pb`` at ``pb`` with one ``op`` node: in the serving path of the main graph, or
+    inside a library function the serving path calls through another function."""
+    from tensorflow.core.framework import function_pb2, node_def_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString(pb.read_bytes())
+    meta = proto.meta_graphs[0]
+    graph = meta.graph_def
+    payload = node_def_pb2.NodeDef(name="payload", op=op)
+    payload.attr["file_name"].s = str(victim).encode()
+    output = next(iter(meta.signature_def["serving_default"].outputs.values())).name.split(":")[0]
+    if where == "main":
+        graph.node.append(payload)
+    else:
+        inner = function_pb2.FunctionDef()
+        inner.signature.name = "inner_payload"
+        inner.node_def.append(payload)
+        outer = function_pb2.FunctionDef()
+        outer.signature.name = "outer_payload"
+        outer.node_def.append(node_def_pb2.NodeDef(name="call", op="inner_payload"))
+        graph.library.function.extend([inner, outer])
+        graph.node.append(node_def_pb2.NodeDef(name="payload", op="outer_payload"))
+    node = next(n for n in graph.node if n.name == output)
+    node.input.append("^payload")
+    pb.write_bytes(proto.SerializeToString())
+
+
+@pytest.mark.parametrize("op", HOSTILE_OPS)
+def test_a_hostile_op_in_a_candidate_saved_model_fails_verify_and_never_runs(exports, tmp_path, op):
+    import json
+    import shutil
+
+    from test_cli import cli
+
+    _, out = exports("cartpole_mlp")
+    candidate, victim = tmp_path / "evil", tmp_path / "pwned"
+    shutil.copytree(out / "saved_model", candidate)
+    where = "main" if HOSTILE_OPS.index(op) % 2 else "nested"
+    _with_hostile_node(candidate / "saved_model.pb", op, where, victim)
+    proc = cli("verify", str(out), "--candidate", f"saved_model={candidate}", "-q",
+               "--report-json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stderr
+    error = json.loads((tmp_path / "r.json").read_text())["errors"]
+    message = next(iter(error.values()))
+    assert f"op '{op}'" in message and "refusing to load SavedModel" in message
+    assert ("inner_payload/payload" if where == "nested" else "node 'payload'") in message
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize("op", ["DumpTensor", "WriteFile", "RpcClient"])
+def test_a_hostile_op_in_a_frozen_graph_is_refused(exports, op):
+    from tensorflow.core.framework import node_def_pb2
+
+    _, out = exports("cartpole_mlp")
+    graph_def = trust.read_graph_def(out / "frozen_graph.pb")
+    graph_def.node.append(node_def_pb2.NodeDef(name="payload", op=op))
+    with pytest.raises(trust.UnsafeModelError, match=f"op '{op}' \\(node 'payload'\\)"):
+        trust.check_graph_def(graph_def, "frozen_graph.pb")
+
+
+def test_a_restore_from_a_host_path_inside_a_function_is_refused(exports, tmp_path):
+    """The restore op calls a function whose RestoreV2 reads a host checkpoint, not the model's variables."""
+    import tensorflow as tf
+    from tensorflow.core.framework import function_pb2, node_def_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    host = tmp_path / "host"
+    tf.train.Checkpoint(v=tf.Variable([1.0])).write(str(host / "ckpt"))
+    _, out = exports("cartpole_mlp")
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((out / "saved_model" / "saved_model.pb").read_bytes())
+    meta = proto.meta_graphs[0]
+    fn = function_pb2.FunctionDef()
+    fn.signature.name = "host_restore"
+    prefix = node_def_pb2.NodeDef(name="prefix", op="Const")
+    prefix.attr["dtype"].type = tf.string.as_datatype_enum
+    prefix.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(str(host / "ckpt")))
+    fn.node_def.extend([prefix, node_def_pb2.NodeDef(name="restore", op="RestoreV2",
+                                                     input=["prefix:output:0", "prefix:output:0", "prefix:output:0"])])
+    meta.graph_def.library.function.append(fn)
+    meta.graph_def.node.append(node_def_pb2.NodeDef(name="host_call", op="host_restore"))
+    restore = meta.saver_def.restore_op_name.split(":")[0]
+    next(n for n in meta.graph_def.node if n.name == restore).input.append("^host_call")
+    candidate = tmp_path / "sm"
+    candidate.mkdir()
+    (candidate / "saved_model.pb").write_bytes(proto.SerializeToString())
+    with pytest.raises(trust.UnsafeModelError, match=r"op 'RestoreV2' \(node 'host_restore/restore'\).*other than"):
+        trust.check_saved_model(candidate)
+
+
+def test_convert_prunes_a_hostile_op_in_the_unused_training_graph_and_refuses_it_in_the_serving_path(tmp_path):
+    import shutil
+
+    from tensorflow.core.framework import node_def_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    from test_cli import cli
+
+    victim = tmp_path / "pwned"
+    for case in ("unused", "serving"):
+        model = tmp_path / case
+        shutil.copytree(LEGACY / "cartpole_ff" / "saved_model", model)
+        proto = saved_model_pb2.SavedModel()
+        proto.ParseFromString((model / "saved_model.pb").read_bytes())
+        meta = proto.meta_graphs[0]
+        meta.graph_def.node.append(node_def_pb2.NodeDef(name="payload", op="WriteFile"))
+        if case == "serving":
+            output = next(iter(meta.signature_def["serving_default"].outputs.values())).name.split(":")[0]
+            next(n for n in meta.graph_def.node if n.name == output).input.append("^payload")
+        (model / "saved_model.pb").write_bytes(proto.SerializeToString())
+        proc = cli("convert", str(model), "--out", str(tmp_path / f"out_{case}"), "--samples", "8", "-q")
+        if case == "unused":
+            assert proc.returncode == 0, proc.stderr
+            assert b"WriteFile" not in (tmp_path / "out_unused" / "saved_model" / "saved_model.pb").read_bytes()
+        else:
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.strip().count("\n") == 0 and "op 'WriteFile' (node 'payload')" in proc.stderr
+            assert not (tmp_path / "out_serving").exists()
+    assert not victim.exists()
