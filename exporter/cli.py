@@ -557,11 +557,10 @@ def _space_option(value: str | None, option: str):
             text = Path(value).read_text(encoding="utf-8")
         except OSError as e:
             raise InputError(f"{option} {value!r}: neither JSON text nor a readable file ({e.strerror})") from e
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{option}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    from policy_export.policy import jsonio
     from policy_export.policy.spaces import space_from_json
+
+    obj = jsonio.loads(text, option)  # strict: duplicate keys, NaN, huge integers are exit 2
 
     return space_from_json(obj, "$", option)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from policy_export.exporter.context import ExportContext, FormatRecord
+from policy_export.policy import jsonio
 from policy_export.policy.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,6 @@ def write_compressed_onnx(ctx: ExportContext, target: Path, name: str, kind: str
                "quantization": ("onnxruntime quantize_dynamic: int8 weights per channel, activations quantised "
                                 "per call (results depend on the batch)") if kind == "int8"
                else "float16 weights and compute, float32 inputs and outputs",
-               "nchw_inputs": json.loads(next((p.value for p in out.metadata_props
-                                               if p.key == "policy_export.nchw_inputs"), "[]"))}
+               "nchw_inputs": jsonio.loads(next((p.value for p in out.metadata_props
+                                               if p.key == "policy_export.nchw_inputs"), "[]"), "ONNX metadata")}
     return FormatRecord(name, files, details)

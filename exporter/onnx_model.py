@@ -30,6 +30,7 @@ from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.onnx_convert import names_read
 from policy_export.exporter.protowire import header
 from policy_export.exporter.runner import Runner, TensorMeta
+from policy_export.policy import jsonio
 from policy_export.policy.errors import ExportError
 from policy_export.signatures.contract import Contract
 
@@ -266,7 +267,7 @@ def nchw_inputs(model: onnx.ModelProto) -> list[str]:
     """Inputs this model takes in NCHW layout (from its metadata)."""
     for prop in model.metadata_props:
         if prop.key == LAYOUT_METADATA:
-            return list(json.loads(prop.value))
+            return list(jsonio.loads(prop.value, f"ONNX metadata {LAYOUT_METADATA!r}"))
     return []
 
 
@@ -274,7 +275,7 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     """The contract stored in a model's metadata, if any."""
     for prop in model.metadata_props:
         if prop.key == CONTRACT_METADATA:
-            return Contract.from_json(json.loads(prop.value))
+            return Contract.from_json(jsonio.loads(prop.value, f"ONNX metadata {CONTRACT_METADATA!r}"))
     return None
 
 
@@ -640,7 +641,7 @@ class OnnxRunner(Runner):
         self.provider_options = self.session.get_provider_options()
         self.providers = self.session.get_providers()
         meta = self.session.get_modelmeta().custom_metadata_map
-        self.nchw = set(json.loads(meta.get(LAYOUT_METADATA, "[]")))
+        self.nchw = set(jsonio.loads(meta.get(LAYOUT_METADATA, "[]"), f"{path} metadata {LAYOUT_METADATA!r}"))
         declared = [*self.session.get_inputs(), *self.session.get_overridable_initializers()]
         self.inputs = {a.name: _ort_meta(a, a.name in self.nchw) for a in declared}
         self.outputs = {a.name: _ort_meta(a) for a in self.session.get_outputs()}

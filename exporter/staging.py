@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from policy_export.exporter.manifest import MANIFEST
+from policy_export.policy import jsonio
 from policy_export.policy.errors import ExportBusyError, ExportError, ExportExistsError
 
 log = logging.getLogger(__name__)
@@ -416,7 +417,7 @@ def _read_journal(out: Path) -> dict | None:
     finally:
         os.close(fd)
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw, "journal")
     except ValueError:
         doc = None
     ok = (isinstance(doc, dict) and doc.get("tool") == "policy-export"
