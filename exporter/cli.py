@@ -543,7 +543,7 @@ def _space_option(value: str | None, option: str):
     """A gymnasium space from JSON text or a .json file (policy.json's space format); ``None`` stays ``None``.
 
     Raises:
-        InputError: unreadable file or invalid JSON. SpecError: JSON that is not a valid space.
+        InputError: unreadable file. JSONError: invalid or non-strict JSON. SpecError: JSON that is not a valid space.
     """
     import json
 

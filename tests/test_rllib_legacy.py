@@ -213,7 +213,8 @@ def test_cli_space_options(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--observation-space", "{not json", "--observation-space: invalid JSON"),
+    ("--observation-space", "{not json", "--observation-space: not valid JSON"),
+    ("--observation-space", '{"type": "Discrete", "n": 2, "n": 3}', "duplicate key"),
     ("--observation-space", '{"type": "Box", "low": -1}', "$.high: missing"),
     ("--action-space", "missing-file.json", "neither JSON text nor a readable file"),
     ("--action-space", '{"type": "Discrete", "n": 0}', "$.n: expected a positive integer"),
