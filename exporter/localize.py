@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from policy_export.exporter.parity import Tolerance
+from policy_export.exporter.watchdog import RunTimeoutError, current_limit, run_stoppable
 from policy_export.policy.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,14 @@ def localize(frozen_graph: Path, onnx_path: Path, input_names: Mapping[str, str]
                 if k in input_names and _has_tensor(graph, input_names[k])}
     if not tf_feeds:
         raise ExportError("none of the inputs could be fed to the frozen graph")
+    limit = current_limit()  # the same deadline as every runtime call; a signal stops the step too
     with tf1.Session(graph=graph) as session:
-        reference = session.run({t.name: t for t in shared}, tf_feeds)
+        options = tf1.RunOptions(timeout_in_ms=max(1, int(limit * 1000)))
+        try:
+            reference = run_stoppable(lambda: session.run({t.name: t for t in shared}, tf_feeds, options=options),
+                                      f"frozen graph {frozen_graph}", session.close)
+        except tf.errors.DeadlineExceededError as e:
+            raise RunTimeoutError(f"frozen graph {frozen_graph}", limit) from e
     got = _run_onnx_with_outputs(model, [t.name for t in shared], typed, feeds)
     for tensor in shared:
         ref, actual = np.asarray(reference[tensor.name]), got.get(tensor.name)
@@ -200,7 +207,14 @@ def _run_onnx_with_outputs(model, names: list[str], typed: Mapping[str, Any], fe
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     inputs = {i.name for i in session.get_inputs()} | {i.name for i in session.get_overridable_initializers()}
     outputs = [o.name for o in session.get_outputs()]
-    values = session.run(outputs, {k: v for k, v in feeds.items() if k in inputs})
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4
+
+    def stop() -> None:
+        run_options.terminate = True
+
+    fed = {k: v for k, v in feeds.items() if k in inputs}
+    values = run_stoppable(lambda: session.run(outputs, fed, run_options), "ONNX model (localize)", stop)
     return dict(zip(outputs, values))
 
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.runner import HeadUnavailable, Runner, TensorMeta
 from policy_export.exporter.trust import check_graph_def, check_saved_model, read_graph_def
-from policy_export.exporter.watchdog import RunTimeoutError, current_limit
+from policy_export.exporter.watchdog import RunTimeoutError, current_limit, run_stoppable
 from policy_export.policy.errors import ExportError
 from policy_export.policy.graph import session_config
 from policy_export.signatures.builder import SERVING_KEY, find_signature
@@ -203,8 +203,13 @@ def tf_head(session, inputs: Mapping[str, tf.Tensor], outputs: Mapping[str, tf.T
         return None
 
     def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        limit = current_limit()  # the head runs under the same deadline as every runtime call
+        options = tf1.RunOptions(timeout_in_ms=max(1, int(limit * 1000)))
+        feed_dict = {dist: feeds[ACTION_DIST_INPUTS], explore: feeds[EXPLORE]}
         try:
-            values = session.run(fetch, {dist: feeds[ACTION_DIST_INPUTS], explore: feeds[EXPLORE]})
+            values = run_stoppable(lambda: session.run(fetch, feed_dict, options=options), "TF action head")
+        except tf.errors.DeadlineExceededError as e:
+            raise RunTimeoutError("TF action head", limit) from e
         except tf.errors.InvalidArgumentError as e:  # a placeholder the head needs was not fed
             raise HeadUnavailable(str(e).splitlines()[0]) from None
         return {k: np.asarray(v) for k, v in values.items()}

@@ -282,3 +282,28 @@ def test_an_endless_tf_while_in_a_frozen_graph_is_stopped_at_the_run_limit(tmp_p
         with run_limit(1.0), pytest.raises(RunTimeoutError, match=f"frozen graph {path} did not finish one run"):
             runner({"observations": np.ones((2, 4), np.float32)})
         assert 1.0 <= time.monotonic() - start < 2.5 and not runner.stuck
+
+
+def test_the_tf_action_head_keeps_the_run_limit():
+    """Exploration draws feed the head directly; a head that loops is stopped like any other run."""
+    import tensorflow as tf
+
+    from policy_export.exporter.tf_runner import tf_head
+    from policy_export.exporter.watchdog import RunTimeoutError, run_limit
+    from policy_export.signatures.keys import ACTION_DIST_INPUTS, EXPLORE, action_key
+
+    tf1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        dist = tf1.placeholder(tf.float32, [None, 2], name="dist")
+        explore = tf1.placeholder_with_default(False, [], name="explore")
+        _, looped = tf.while_loop(lambda i, x: i < (1 << 62), lambda i, x: (i + 1, x * 1.0),
+                                  (tf.constant(0, tf.int64), dist))
+        actions = tf.argmax(looped, axis=-1)
+    with tf1.Session(graph=graph) as session:
+        run = tf_head(session, {EXPLORE: explore}, {ACTION_DIST_INPUTS: dist, action_key(0): actions})
+        start = time.monotonic()
+        with run_limit(1.0), pytest.raises(RunTimeoutError, match="TF action head did not finish one run within "
+                                                                  "the limit of 1 s"):
+            run({ACTION_DIST_INPUTS: np.zeros((1, 2), np.float32), EXPLORE: np.array(False)})
+        assert time.monotonic() - start < 4.0
