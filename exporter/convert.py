@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.exporter.devices import plan_devices
+from policy_export.exporter.watchdog import stoppable_session
 from policy_export.policy.errors import ExportError, InputError
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import TFPolicy, session_config
@@ -283,7 +284,8 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
     check_meta_graph(pruned.meta_graph, str(path), budget=saved_model_budget(path))  # before any op can run
     plan = plan_devices(device)
     graph = tf.Graph()
-    session = tf1.Session(graph=graph, config=session_config(plan.tf_device))
+    # the graph is the file's: every run of it keeps the run limit and stops on signals
+    session = stoppable_session(graph, session_config(plan.tf_device), f"SavedModel {path}")
     try:
         with graph.as_default():
             # what tf1.train.import_meta_graph does, without adding a Saver nobody runs

@@ -178,3 +178,38 @@ def run_stoppable(call: Callable[[], T], label: str, stop: Callable[[], None] | 
         KeyboardInterrupt: a signal arrived (``stop`` was called first).
     """
     return Stoppable(label, grace).run(call, stop, timeout)
+
+
+
+def stoppable_session(graph, config, label: str):
+    """A TF1 session over ``graph`` whose every ``run`` keeps the run limit and stops on signals.
+
+    For sessions over graphs a file brought (the legacy SavedModel ``convert`` imports): each
+    ``run`` gets the limit as ``timeout_in_ms`` and runs through :meth:`Stoppable.run`, which closes
+    the session on an interrupt (cancelling the step). It is a real ``tf.compat.v1.Session``
+    (TensorFlow's savers insist on one).
+    """
+    return _session_class()(graph, config, label)
+
+
+@functools.cache
+def _session_class():
+    import tensorflow as tf
+
+    class StoppableSession(tf.compat.v1.Session):
+        def __init__(self, graph, config, label: str):
+            super().__init__(graph=graph, config=config)
+            self._watch = Stoppable(label)
+
+        def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+            limit = current_limit()
+            if options is None:
+                options = tf.compat.v1.RunOptions()
+            options.timeout_in_ms = max(1, int(limit * 1000))
+            parent = super().run
+            try:
+                return self._watch.run(lambda: parent(fetches, feed_dict, options, run_metadata), self.close, limit)
+            except tf.errors.DeadlineExceededError as e:
+                raise RunTimeoutError(self._watch.label, limit) from e
+
+    return StoppableSession

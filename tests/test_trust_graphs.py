@@ -29,14 +29,31 @@ def _saved_model(path: Path, body) -> None:
         builder.save()
 
 
-def test_write_file_in_a_nested_function_is_refused_naming_op_and_function(tmp_path):
+def _write_file(victim, a):
+    import tensorflow as tf
+
+    tf.io.write_file(str(victim), "pwned")
+
+
+def _save_v2(victim, a):
+    import tensorflow as tf
+
+    tf.raw_ops.SaveV2(prefix=str(victim), tensor_names=["a"], shape_and_slices=[""], tensors=[a])
+
+
+@pytest.mark.parametrize("payload, op, message", [
+    (_write_file, "WriteFile", "is not on the list of ops"),
+    (_save_v2, "SaveV2", "runs when the model is loaded or served"),
+])
+def test_a_payload_two_functions_deep_is_refused_naming_op_and_function(tmp_path, payload, op, message):
+    """A signature calls a tf.function that calls the one holding the payload."""
     import tensorflow as tf
 
     victim = tmp_path / "pwned"
 
     @tf.function
     def inner(a):
-        tf.io.write_file(str(victim), "pwned")
+        payload(victim, a)
         return a
 
     @tf.function
@@ -46,29 +63,8 @@ def test_write_file_in_a_nested_function_is_refused_naming_op_and_function(tmp_p
     _saved_model(tmp_path / "sm", outer)
     with pytest.raises(trust.UnsafeModelError) as info:
         trust.check_saved_model(tmp_path / "sm")
-    assert info.value.op == "WriteFile" and "inner" in info.value.node
-    assert "is not on the list of ops" in str(info.value) and not victim.exists()
-
-
-def test_save_v2_reached_through_nested_functions_from_a_signature_is_refused(tmp_path):
-    import tensorflow as tf
-
-    victim = tmp_path / "pwned"
-
-    @tf.function
-    def inner(a):
-        tf.raw_ops.SaveV2(prefix=str(victim), tensor_names=["a"], shape_and_slices=[""], tensors=[a])
-        return a
-
-    @tf.function
-    def outer(a):
-        return inner(a)
-
-    _saved_model(tmp_path / "sm", outer)
-    with pytest.raises(trust.UnsafeModelError) as info:
-        trust.check_saved_model(tmp_path / "sm")
-    assert info.value.op == "SaveV2" and "runs when the model is loaded or served" in str(info.value)
-    assert not victim.exists()
+    assert info.value.op == op and "inner" in info.value.node
+    assert message in str(info.value) and not victim.exists()
 
 
 def test_a_splat_constant_frozen_graph_is_refused_quickly_naming_node_and_size():
@@ -238,4 +234,72 @@ def test_convert_prunes_a_hostile_op_in_the_unused_training_graph_and_refuses_it
             assert proc.returncode == 2, proc.stderr
             assert proc.stderr.strip().count("\n") == 0 and "op 'WriteFile' (node 'payload')" in proc.stderr
             assert not (tmp_path / "out_serving").exists()
+    assert not victim.exists()
+
+
+def _real_dataset_payload(pb: Path, victim: Path) -> None:
+    """Splice TF's own DatasetFromGraph, fed a serialised dataset graph whose map fn writes ``victim``,
+    into the serving path of the SavedModel at ``pb`` (the output waits on the dataset's one element)."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    def write_then(x):
+        with tf.control_dependencies([tf.io.write_file(str(victim), "pwned")]):
+            return tf.identity(x)
+
+    dataset = tf.data.Dataset.from_tensors(tf.constant(0)).map(write_then)
+    serialised = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor).numpy()
+    assert b"WriteFile" in serialised
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString(pb.read_bytes())
+    meta = proto.meta_graphs[0]
+    signature = meta.signature_def["serving_default"]
+    obs_name = signature.inputs["observations"].name.split(":")[0]
+    scratch = tf.Graph()
+    with scratch.as_default():
+        # chosen by a test on the observations (always true for finite ones), so that no optimiser folds it
+        obs = tf.compat.v1.placeholder(tf.float32, name=obs_name)
+        graph_def = tf.where(tf.reduce_all(tf.math.is_finite(obs)), tf.constant(serialised), tf.constant(b""),
+                             name="payload_graph")
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def, name="payload_dataset")
+        tf.raw_ops.DatasetToSingleElement(dataset=variant, output_types=[tf.int32], output_shapes=[[]],
+                                          name="payload")
+    meta.graph_def.node.extend(n for n in scratch.as_graph_def().node if n.name != obs_name)
+    output = next(iter(signature.outputs.values())).name.split(":")[0]
+    next(n for n in meta.graph_def.node if n.name == output).input.append("^payload")
+    pb.write_bytes(proto.SerializeToString())
+
+
+def test_a_real_dataset_graph_payload_writes_under_tensorflow_and_never_under_verify(exports, tmp_path):
+    """The issue's first attack, with TF's own ops: loaded by TF's loader the payload writes the file;
+    verify refuses the candidate before TensorFlow sees it and the file is never written."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from test_cli import cli
+
+    _, out = exports("cartpole_mlp")
+    candidate, victim = tmp_path / "evil", tmp_path / "pwned"
+    shutil.copytree(out / "saved_model", candidate)
+    _real_dataset_payload(candidate / "saved_model.pb", victim)
+    # the payload is live: TensorFlow's own loader, run unchecked in a child, writes the file
+    run = ("import sys, numpy as np, tensorflow as tf\n"
+           "tf1 = tf.compat.v1\n"
+           "with tf1.Session(graph=tf.Graph()) as s:\n"
+           "    m = tf1.saved_model.loader.load(s, ['serve'], sys.argv[1])\n"
+           "    sig = m.signature_def['serving_default']\n"
+           "    obs = sig.inputs['observations']\n"
+           "    feed = {obs.name: np.zeros([1] + [d.size for d in obs.tensor_shape.dim[1:]], np.float32)}\n"
+           "    s.run([v.name for v in sig.outputs.values()], feed)\n")
+    child = subprocess.run([sys.executable, "-c", run, str(candidate)], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert victim.read_text() == "pwned"
+    victim.unlink()
+    proc = cli("verify", str(out), "--candidate", f"saved_model={candidate}", "-q",
+               "--report-json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stderr
+    message = next(iter(json.loads((tmp_path / "r.json").read_text())["errors"].values()))
+    assert "op 'DatasetFromGraph'" in message and "node 'payload_dataset'" in message
     assert not victim.exists()

@@ -307,3 +307,36 @@ def test_the_tf_action_head_keeps_the_run_limit():
                                                                   "the limit of 1 s"):
             run({ACTION_DIST_INPUTS: np.zeros((1, 2), np.float32), EXPLORE: np.array(False)})
         assert time.monotonic() - start < 4.0
+
+
+def test_convert_stops_an_endless_while_in_the_files_own_session_at_the_run_limit(tmp_path):
+    """The legacy route runs the file's own graph as the reference: its runs keep the limit too."""
+    import shutil
+
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURES_DIR / "rllib" / "legacy" / "cartpole_ff" / "saved_model", model)
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((model / "saved_model.pb").read_bytes())
+    meta = proto.meta_graphs[0]
+    signature = meta.signature_def["serving_default"]
+    obs_name = signature.inputs["observations"].name.split(":")[0]
+    scratch = tf.Graph()
+    with scratch.as_default():
+        obs = tf.compat.v1.placeholder(tf.float32, name=obs_name)
+        tf.while_loop(lambda i: i < tf.constant(2**62, tf.int64), lambda i: i + 1,
+                      [tf.cast(tf.size(obs), tf.int64)], name="endless")
+    scratch_def = scratch.as_graph_def()
+    meta.graph_def.node.extend(n for n in scratch_def.node if n.name != obs_name)
+    meta.graph_def.library.function.extend(scratch_def.library.function)
+    output = next(iter(signature.outputs.values())).name.split(":")[0]
+    loop = next(n.name for n in scratch_def.node if n.op in ("While", "StatelessWhile"))
+    next(n for n in meta.graph_def.node if n.name == output).input.append(f"^{loop}")
+    (model / "saved_model.pb").write_bytes(proto.SerializeToString())
+    start = time.monotonic()
+    proc = cli("convert", str(model), "--out", str(tmp_path / "out"), "--samples", "8", "--run-timeout", "2", "-q")
+    elapsed = time.monotonic() - start
+    one_line_error(proc, 1, f"SavedModel {model} did not finish one run within the limit of 2 s")
+    assert not (tmp_path / "out").exists() and elapsed < 60, elapsed
