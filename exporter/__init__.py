@@ -1,4 +1,14 @@
-"""Export a TF graph-mode policy to every serving format and prove parity.
+"""The exporter: the export, verify and convert pipelines, the formats, parity and the command line.
+
+    cli.py, options.py                the command line; every cheap check of the options, once
+    export.py, verify.py, convert.py  the pipelines
+    sources/    what comes in: the TF1 SavedModel (RLlib <= 2.0), the Keras base model
+                (RLlib >= 2.1), a live RLlib policy, the LSTM step rebuild
+    formats/    one plugin per format: its writer, its runner, its checks
+    parity/     the parity plan, its replay, comparison, exploration, stepped and behavioural
+                parity, localisation
+    tfgraph.py, trust.py, oplist.py   TF1 graph surgery; the safe reader and the op allowlist
+    manifest.py, staging.py, reports.py, inspection.py, rollout.py, progress.py, devices.py, ...
 
 Imports are lazy so that the command line starts without loading TensorFlow.
 """
@@ -6,10 +16,13 @@ Imports are lazy so that the command line starts without loading TensorFlow.
 from importlib import import_module
 
 _WHERE = {
-    "export_policy": "policy_export.exporter.api", "export_spec": "policy_export.exporter.api", "verify_export": "policy_export.exporter.api",
-    "ExportResult": "policy_export.exporter.api", "VerifyResult": "policy_export.exporter.api", "ParityFailedError": "policy_export.exporter.api",
-    "ALL_FORMATS": "policy_export.exporter.api", "ParityReport": "policy_export.exporter.parity", "Tolerance": "policy_export.exporter.parity",
-    "Tolerances": "policy_export.exporter.parity", "plan_devices": "policy_export.exporter.devices",
+    "export_policy": "policy_export.exporter.export", "export_spec": "policy_export.exporter.export",
+    "ExportResult": "policy_export.exporter.export", "verify_export": "policy_export.exporter.verify",
+    "VerifyResult": "policy_export.exporter.verify", "ParityFailedError": "policy_export.errors",
+    "ExportOptions": "policy_export.exporter.options", "VerifyOptions": "policy_export.exporter.options",
+    "ALL_FORMATS": "policy_export.exporter.options", "ParityReport": "policy_export.exporter.parity.compare",
+    "Tolerance": "policy_export.exporter.parity.compare", "Tolerances": "policy_export.exporter.parity.compare",
+    "plan_devices": "policy_export.exporter.devices", "convert_saved_model": "policy_export.exporter.convert",
 }
 __all__ = sorted(_WHERE)
 
@@ -17,4 +30,4 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name in _WHERE:
         return getattr(import_module(_WHERE[name]), name)
-    raise AttributeError(f"module 'exporter' has no attribute {name!r}")
+    raise AttributeError(f"module 'policy_export.exporter' has no attribute {name!r}")

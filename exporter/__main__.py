@@ -1,4 +1,4 @@
-"""``python -m exporter``: the same as the ``policy-export`` command."""
+"""``python -m policy_export.exporter``: the same as the ``policy-export`` command (and ``python -m policy_export``)."""
 
 import sys
 

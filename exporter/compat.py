@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from policy_export.policy.errors import EnvironmentMismatchError
+from policy_export.errors import EnvironmentMismatchError
 
 
 def _version(dist: str) -> tuple[int, ...] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy_export.policy.errors import DeviceError
+from policy_export.errors import DeviceError
 
 DEVICE_CHOICES = ("auto", "cpu", "gpu")
 CUDA_PROVIDER = "CUDAExecutionProvider"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from policy_export.exporter import manifest
-from policy_export.policy.errors import ExportError
+from policy_export.errors import ExportError
 from policy_export.signatures.contract import Contract, TensorSpec, json_default
 
 
@@ -38,7 +38,7 @@ def onnx_contract(path: Path) -> Contract:
     onnx = import_onnx()
     from onnx import numpy_helper
 
-    from policy_export.exporter.onnx_model import contract_from_model
+    from policy_export.exporter.formats.onnx.model import contract_from_model
 
     try:
         onnx.checker.check_model(str(path))

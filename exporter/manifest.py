@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from policy_export.policy import jsonio
-from policy_export.policy.errors import ExportError
+from policy_export.errors import ExportError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 PARITY_PREFIX = "parity/"
-# where each format lives in an export (the writers' FILENAME/DIRNAME; tests check they agree)
 STAGING_MARKER = ".policy-export-staging"  # written by staging.py while an export is built
 _PACKAGES = ("policy-export", "tensorflow", "tf-keras", "tf2onnx", "onnx", "onnxruntime", "numpy", "gymnasium", "h5py")
 
@@ -131,12 +130,13 @@ class FileCheck:
         return not any(p == rel or p.startswith(rel + "/") or rel.startswith(p + "/") for p in self.untrusted)
 
 
-def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, str] | None = None) -> FileCheck:
+def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, str]) -> FileCheck:
     """Changed, missing, extra and special files of an export, each named.
 
     Only regular files inside ``root`` are read; a symbolic link, FIFO or device in place of a
     file is a changed file and is never opened. A manifest without formats, or with files that no
-    format accounts for (its ``files`` list, or its path in ``format_paths``), is a problem too.
+    format accounts for (its ``files`` list, or its path in ``format_paths``: format name -> the
+    path it writes, as the format registry gives them), is a problem too.
     """
     listed = {f["path"]: f for f in manifest["files"]}
     found = scan(root)
@@ -165,10 +165,6 @@ def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, st
         if not same:
             problems.append(f"changed file {path} (sha256 differs from the manifest)")
             untrusted.add(path)
-    if format_paths is None:
-        from policy_export.exporter import formats
-
-        format_paths = formats.paths()
     problems += _unaccounted(manifest, format_paths)
     return FileCheck(problems, untrusted)
 

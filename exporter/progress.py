@@ -262,7 +262,7 @@ class Counted:
         return out
 
     def head(self):
-        """The runner's action head (see :meth:`exporter.runner.Runner.head`), counted too."""
+        """The runner's action head (see :meth:`exporter.formats.runner.Runner.head`), counted too."""
         head = getattr(self._runner, "head", None)
         run = head() if head is not None else None
         return None if run is None else Counted(run, self.task)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from policy_export.exporter.parity import OutputParity, ParityReport
+from policy_export.exporter.parity.compare import OutputParity, ParityReport
 
 
 def _fmt(x: float) -> str:

@@ -27,18 +27,19 @@ import numpy as np
 
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import plan_devices
-from policy_export.exporter.parity import Tolerances
-from policy_export.policy.errors import CheckFailedError, ExportError, InputError
+from policy_export.exporter.parity.compare import Tolerances
+from policy_export.errors import CheckFailedError, ExportError, InputError
 from policy_export.policy.spaces import leaf_values, leaves, nest_from_leaves, space_from_json
-from policy_export.exporter.replay import runnable_names
-from policy_export.exporter.watchdog import limited
+from policy_export.exporter.parity.replay import runnable_names
+from policy_export.exporter.options import RolloutOptions
+from policy_export.exporter.watchdog import run_limit
 from policy_export.signatures.contract import Contract
 from policy_export.signatures.keys import (
     OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, action_key, is_state_in, state_in_key, state_out_key,
 )
 
 DEFAULT_FORMATS = ("saved_model", "onnx")
-DEFAULT_RETURN_TOLERANCE = 0.05
+from policy_export.exporter.defaults import DEFAULT_RETURN_TOLERANCE  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,6 @@ class EpisodeResult:
     steps: dict[str, int]
     first_divergence: dict[str, int | None]
     max_deviation: dict[str, float]
-
-    @property
-    def diverged(self) -> bool:
-        return any(step is not None for step in self.first_divergence.values())
 
 
 @dataclass(frozen=True)
@@ -142,11 +139,12 @@ class _Agent:
         return nest_from_leaves(self.act_space, actions), actions
 
 
-@limited
-def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, device: str = "auto",
-            max_steps: int | None = None, formats: list[str] | None = None,
-            return_tolerance: float = DEFAULT_RETURN_TOLERANCE, *, run_timeout: float | None = None) -> RolloutReport:
+def rollout(out: str | Path, env_id: str, options: RolloutOptions | None = None, **keywords: Any) -> RolloutReport:
     """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
+
+    The options are a :class:`~exporter.options.RolloutOptions` or its fields as keywords:
+    ``episodes`` (default 10), ``seed`` of the first episode, ``device``, ``max_steps`` per
+    episode, ``formats``, ``return_tolerance`` and ``run_timeout``.
 
     ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats that run
     the policy's signature (every format but ``keras``); the first is the reference, unless it is
@@ -161,18 +159,20 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
         InputError: the environment is unknown, its spaces do not match the export's, or
             ``formats`` names fewer than two formats or one that cannot play.
     """
-    from policy_export.exporter.api import check_export_files, load_runner
+    opts = RolloutOptions.make(options, keywords)
+    with run_limit(opts.run_timeout):
+        return _rollout(Path(out), env_id, opts)
 
-    out = Path(out)
+
+def _rollout(out: Path, env_id: str, opts: RolloutOptions) -> RolloutReport:
+    from policy_export.exporter import formats as registry
+    from policy_export.exporter.verify import load_runner
+
     doc = manifest.read_manifest(out)
-    problems = check_export_files(out, doc).problems
+    problems = manifest.check_files(out, doc, registry.paths()).problems
     if problems:  # never load a model whose files failed their hash check
         raise CheckFailedError(f"{out} failed its file check, nothing was loaded: " + "; ".join(problems))
-    if episodes < 1:
-        raise InputError(f"episodes must be at least 1, got {episodes}")
-    if not (isinstance(return_tolerance, (int, float)) and np.isfinite(return_tolerance) and return_tolerance >= 0):
-        raise InputError(f"return tolerance must be a finite number >= 0, got {return_tolerance!r}")
-    formats = _with_float_reference(list(formats or DEFAULT_FORMATS), doc)
+    formats = _with_float_reference(list(opts.formats or DEFAULT_FORMATS), doc)
     _check_formats(formats, doc)
     lossy = tuple(f for f in formats[1:] if _is_lossy(f))
     contract = Contract.from_json(doc["contract"])
@@ -186,17 +186,17 @@ def rollout(out: str | Path, env_id: str, episodes: int = 10, seed: int = 0, dev
     runners = {}
     try:
         _check_spaces(envs[formats[0]], obs_space, act_space, env_id)
-        plan = plan_devices(device)
+        plan = plan_devices(opts.device)
         for fmt in formats:
             runners[fmt] = load_runner(fmt, out, doc, plan)
-        results = [_episode(envs, runners, contract, tolerances, obs_space, act_space, seed + i, max_steps)
-                   for i in range(episodes)]
+        results = [_episode(envs, runners, contract, tolerances, obs_space, act_space, opts.seed + i, opts.max_steps)
+                   for i in range(opts.episodes)]
     finally:
         for env in envs.values():
             env.close()
         for runner in runners.values():
             runner.close()
-    return RolloutReport(env_id, formats, results, lossy, float(return_tolerance))
+    return RolloutReport(env_id, formats, results, lossy, float(opts.return_tolerance))
 
 
 def _is_lossy(name: str) -> bool:
@@ -212,7 +212,10 @@ def _with_float_reference(formats: list[str], doc: dict) -> list[str]:
     playable = [f for f in runnable_names() if f in doc["formats"] and not _is_lossy(f)]
     if not playable:
         raise ExportError(f"the export has no float format to play as the reference of {formats[0]}")
-    reference = "saved_model" if "saved_model" in playable else playable[0]
+    from policy_export.exporter import formats as registry
+
+    references = [f.name for f in registry.with_capability("reference") if f.name in playable]  # TF itself
+    reference = references[0] if references else playable[0]
     return [reference, *(f for f in formats if f != reference)]
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from policy_export.exporter.manifest import MANIFEST
 from policy_export.policy import jsonio
-from policy_export.policy.errors import ExportBusyError, ExportError, ExportExistsError
+from policy_export.errors import ExportBusyError, ExportError, ExportExistsError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ its signatures depend on. Every check here reads protobufs only (no op runs) and
 :class:`UnsafeModelError`, naming the op and the node (``function/node`` inside a function):
 
 - every node of the main graph and of EVERY function in the library (reachable or not) must run
-  an op of :data:`exporter.allowed_ops.ALLOWED_OPS` (pure computation, control flow, variables,
+  an op of :data:`exporter.oplist.ALLOWED_OPS` (pure computation, control flow, variables,
   the restore/init machinery, sampling) or call a library function; anything else -- an op that
   takes a file name, an address or a serialised graph, runs Python, or is unknown to this
   TensorFlow -- is refused. A library function may not carry the name of a registered op, and a
@@ -38,8 +38,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from policy_export.exporter.allowed_ops import ALLOWED_OPS
-from policy_export.policy.errors import ExportError
+from policy_export.exporter.oplist import ALLOWED_OPS
+from policy_export.errors import ExportError, UnsafeModelError  # noqa: F401 (UnsafeModelError: raised here)
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,6 @@ DTYPE_BYTES = {1: 4, 2: 8, 3: 4, 4: 1, 5: 2, 6: 1, 8: 8, 9: 8, 10: 1, 11: 1, 12:
                16: 2, 17: 2, 18: 16, 19: 2, 20: 64, 21: 64, 22: 4, 23: 8, 24: 1, 25: 1, 26: 1, 27: 1, 28: 1,
                29: 1, 30: 1}
 STRING_OVERHEAD = 8
-
-
-class UnsafeModelError(ExportError):
-    """A graph holds an op that loading or serving it must not run; ``op`` and ``node`` name it."""
-
-    def __init__(self, path: str, op: str, node: str, reason: str):
-        self.op, self.node = op, node
-        super().__init__(f"refusing to load SavedModel {path}: op {op!r} (node {node!r}) {reason}")
 
 
 # ---------------------------------------------------------------------------------------- reading

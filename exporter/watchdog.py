@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from policy_export.policy.errors import CheckFailedError, InputError
+from policy_export.errors import InputError, RunTimeoutError  # noqa: F401 (RunTimeoutError: raised here)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,15 +37,6 @@ GRACE = 2.0  # seconds the runtime gets to stop once told to
 POLL = 0.05  # seconds between checks of the waiting thread (signal handlers run in between)
 
 _limit: contextvars.ContextVar[float] = contextvars.ContextVar("policy_export_run_timeout", default=DEFAULT_RUN_TIMEOUT)
-
-
-class RunTimeoutError(CheckFailedError):
-    """One call into a runtime took longer than the run limit (a failed check: exit code 1)."""
-
-    def __init__(self, label: str, limit: float):
-        self.label, self.limit = label, limit
-        super().__init__(f"{label} did not finish one run within the limit of {limit:g} s (--run-timeout); "
-                         "the run was stopped: the model loops or computes far beyond what a policy needs")
 
 
 def check_run_timeout(seconds: float | None, option: str = "run_timeout") -> float:
@@ -84,17 +75,6 @@ def run_limit(seconds: float | None) -> Iterator[float]:
         yield value
     finally:
         _limit.reset(token)
-
-
-def limited(fn: Callable[..., T]) -> Callable[..., T]:
-    """Decorate an API function whose ``run_timeout`` keyword (seconds, ``None`` for the limit in
-    force) limits every runtime call made within it (:func:`run_limit`)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with run_limit(kwargs.get("run_timeout")):
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 class Stoppable:

@@ -6,7 +6,7 @@ Names are imported lazily so that ``policy.errors`` stays light (no TensorFlow i
 from importlib import import_module
 
 _EXPORTS = {
-    "policy_export.policy.errors": (
+    "policy_export.errors": (
         "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
         "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
         "WeightsError",

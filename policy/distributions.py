@@ -23,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 import tensorflow as tf
 
-from policy_export.policy.errors import UnsupportedSpaceError
+from policy_export.errors import UnsupportedSpaceError
 from policy_export.policy.spaces import leaves
 
 

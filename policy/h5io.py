@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from policy_export.policy.errors import WeightsError
+from policy_export.errors import WeightsError
 from policy_export.policy.models import weight_key
 
 MAX_WEIGHTS_BYTES = 2 << 30  # declared size of all weights read from one file

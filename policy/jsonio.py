@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from policy_export.policy.errors import PolicyExportError
+from policy_export.errors import PolicyExportError
 
 MAX_INT_DIGITS = 30
 MAX_DEPTH = 800

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from policy_export.policy.distributions import ActionDistribution
-from policy_export.policy.errors import InputError, UnsupportedSpaceError
+from policy_export.errors import InputError, UnsupportedSpaceError
 from policy_export.policy.graph import ActionResult, deterministic_path, session_config, unflatten
 from policy_export.policy.models import ModelInput, build_recurrent_model, model_inputs, preprocess
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
@@ -88,7 +88,6 @@ def _select_actions(dist: ActionDistribution, explore: tf.Tensor):
 
 def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     """Build a recurrent :class:`TFPolicy` (see the module docstring)."""
-
     lstm = spec.model.lstm
     act_leaves = list(leaves(spec.action_space))
     if lstm.use_prev_action and len(act_leaves) != 1:
@@ -125,12 +124,7 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
         state_out = [tf.identity(h, name=state_out_key(0)), tf.identity(c, name=state_out_key(1))]
         deterministic = deterministic_path(dist, dist_inputs, {state_out_key(0): state_out[0], state_out_key(1): state_out[1]})
 
-        # the base model's sequence form on the serving inputs (T = 1): checks the Keras files
-        seq_in = [tf.expand_dims(x, 1) for x in step_in]
-        model_args = [*seq_in] + ([tf.expand_dims(prev, 1)] if prev is not None else [])
-        mask = tf.expand_dims(ph.seq_lens > 0, 1)
-        model_out = rm.sequence_model([*model_args, mask, ph.state[0], ph.state[1]])
-        model_io = ([*model_args, mask, ph.state[0], ph.state[1]], list(model_out))
+        model_io = _sequence_model_io(rm, ph, step_in, prev)
 
         sequence = _training_graph(spec, rm, specs, act_leaf, act_input, explore, timestep)
         init = tf1.global_variables_initializer()
@@ -150,6 +144,16 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     if spec.weights is not None:
         policy.import_model_from_h5(spec.weights)
     return policy
+
+
+def _sequence_model_io(rm, ph, step_in, prev):
+    """The base model's sequence form on the serving inputs (T = 1), as (inputs, outputs): the
+    session's reference for the Keras files."""
+    seq_in = [tf.expand_dims(x, 1) for x in step_in]
+    model_args = [*seq_in] + ([tf.expand_dims(prev, 1)] if prev is not None else [])
+    mask = tf.expand_dims(ph.seq_lens > 0, 1)
+    model_out = rm.sequence_model([*model_args, mask, ph.state[0], ph.state[1]])
+    return [*model_args, mask, ph.state[0], ph.state[1]], list(model_out)
 
 
 def _training_graph(spec: PolicySpec, rm, specs: Sequence[ModelInput], act_leaf, act_input, explore, timestep) -> SequenceGraph:

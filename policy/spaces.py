@@ -16,7 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from policy_export.policy.errors import SpecError, UnsupportedSpaceError
+from policy_export.errors import SpecError, UnsupportedSpaceError
 
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 # size limits, checked before anything is allocated (a spec or manifest is untrusted input)
@@ -233,7 +233,7 @@ def check_sample_budget(samples: int, space: gym.Space, what: str = "samples") -
     Raises:
         InputError: naming the limit and the largest sample count that fits.
     """
-    from policy_export.policy.errors import InputError
+    from policy_export.errors import InputError
 
     if samples > MAX_SAMPLES:
         raise InputError(f"{what} {samples} exceeds the limit of {MAX_SAMPLES}")

@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 
 from policy_export.policy import jsonio
-from policy_export.policy.errors import SpecError
+from policy_export.errors import SpecError
 from policy_export.policy.spaces import _Problems, _is_int, leaves, parse_space, space_to_json
 
 FORMAT_VERSION = 1

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from policy_export.policy import h5io
 from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
-from policy_export.policy.errors import InputError, PolicyExportError, WeightsError
+from policy_export.errors import InputError, PolicyExportError, WeightsError
 from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy's public vocabulary)
     ACTION_DIST_INPUTS,
     ACTION_LOGP,
@@ -80,6 +80,7 @@ class TFPolicy:
             ops, no explore switch), keyed like ``outputs``; what ``model_deterministic.onnx`` holds.
     """
 
+    # mirrors RLlib's TFPolicy constructor (its tensors passed by name), plus the package's own parts
     def __init__(
         self,
         observation_space: gym.Space,
@@ -118,41 +119,13 @@ class TFPolicy:
         self.raw_actions = list(raw_actions) if raw_actions is not None else None
         self.name = name
 
-        self.inputs: dict[str, tf.Tensor] = {}
-        if isinstance(observations, Mapping):
-            self.inputs.update(observations)
-        else:
-            self.inputs[OBSERVATIONS] = observations
-        if len(state_inputs) != len(state_outputs):
-            raise PolicyExportError(f"{len(state_inputs)} state inputs but {len(state_outputs)} state outputs")
-        if state_inputs and seq_lens is None:
-            raise PolicyExportError("a recurrent policy needs a seq_lens input")
-        for i, tensor in enumerate(state_inputs):
-            self.inputs[state_in_key(i)] = tensor
-        for key, tensor in ((SEQ_LENS, seq_lens), (PREV_ACTION, prev_action), (PREV_REWARD, prev_reward),
-                            (EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
-            if tensor is not None:
-                self.inputs[key] = tensor
-        self.inputs.update(extra_inputs or {})
+        self.inputs = _inputs(observations, state_inputs, state_outputs, seq_lens, prev_action, prev_reward,
+                              explore, is_training, timestep, extra_inputs)
         self.sequence_graph = sequence_graph
         self.deterministic_outputs = dict(deterministic_outputs) if deterministic_outputs else None
 
-        actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
-        self.outputs: dict[str, tf.Tensor] = {action_key(i): a for i, a in enumerate(actions)}
-        if action_prob is None and action_logp is not None:
-            with self.graph.as_default():
-                action_prob = tf.exp(action_logp, name=ACTION_PROB)
-        for i, tensor in enumerate(state_outputs):
-            self.outputs[state_out_key(i)] = tensor
-        for key, tensor in (
-            (ACTION_DIST_INPUTS, action_dist_inputs), (ACTION_LOGP, action_logp), (ACTION_PROB, action_prob),
-        ):
-            if tensor is not None:
-                self.outputs[key] = tensor
-        for key, tensor in (extra_fetches or {}).items():
-            if key in self.outputs:
-                raise PolicyExportError(f"extra fetch {key!r} clashes with a built-in output key")
-            self.outputs[key] = tensor
+        self.outputs = self._outputs(sampled_action, state_outputs, action_dist_inputs, action_logp, action_prob,
+                                     extra_fetches)
         self.defaults: dict[str, np.ndarray] = self._read_defaults()
         if image_inputs is None:
             image_inputs = [k for k, t in self.inputs.items() if t.shape.rank == 4 and t.dtype == tf.uint8]
@@ -161,6 +134,27 @@ class TFPolicy:
             raise PolicyExportError(f"image_inputs {unknown} are not rank-4 (batch, H, W, C) inputs of the policy")
         self.image_inputs = list(image_inputs)
         self._variables = self._weight_variables()
+
+    def _outputs(self, sampled_action, state_outputs, action_dist_inputs, action_logp, action_prob,
+                 extra_fetches) -> dict[str, tf.Tensor]:
+        """The output tensors keyed like the contract (``action_prob`` made from ``action_logp`` if absent)."""
+        actions = list(sampled_action) if isinstance(sampled_action, (list, tuple)) else [sampled_action]
+        outputs: dict[str, tf.Tensor] = {action_key(i): a for i, a in enumerate(actions)}
+        if action_prob is None and action_logp is not None:
+            with self.graph.as_default():
+                action_prob = tf.exp(action_logp, name=ACTION_PROB)
+        for i, tensor in enumerate(state_outputs):
+            outputs[state_out_key(i)] = tensor
+        for key, tensor in (
+            (ACTION_DIST_INPUTS, action_dist_inputs), (ACTION_LOGP, action_logp), (ACTION_PROB, action_prob),
+        ):
+            if tensor is not None:
+                outputs[key] = tensor
+        for key, tensor in (extra_fetches or {}).items():
+            if key in outputs:
+                raise PolicyExportError(f"extra fetch {key!r} clashes with a built-in output key")
+            outputs[key] = tensor
+        return outputs
 
     # ------------------------------------------------------------------ construction
 
@@ -448,3 +442,26 @@ def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:
 
 def _fmt_shape(dims: Sequence[int | None]) -> str:
     return "[" + ", ".join("batch" if d is None else str(d) for d in dims) + "]"
+
+
+# mirrors RLlib's TFPolicy constructor: its input tensors by name
+def _inputs(observations, state_inputs, state_outputs, seq_lens, prev_action, prev_reward, explore, is_training,
+            timestep, extra_inputs) -> dict[str, tf.Tensor]:
+    """The input tensors keyed like the contract."""
+    inputs: dict[str, tf.Tensor] = {}
+    if isinstance(observations, Mapping):
+        inputs.update(observations)
+    else:
+        inputs[OBSERVATIONS] = observations
+    if len(state_inputs) != len(state_outputs):
+        raise PolicyExportError(f"{len(state_inputs)} state inputs but {len(state_outputs)} state outputs")
+    if state_inputs and seq_lens is None:
+        raise PolicyExportError("a recurrent policy needs a seq_lens input")
+    for i, tensor in enumerate(state_inputs):
+        inputs[state_in_key(i)] = tensor
+    for key, tensor in ((SEQ_LENS, seq_lens), (PREV_ACTION, prev_action), (PREV_REWARD, prev_reward),
+                        (EXPLORE, explore), (IS_TRAINING, is_training), (TIMESTEP, timestep)):
+        if tensor is not None:
+            inputs[key] = tensor
+    inputs.update(extra_inputs or {})
+    return inputs

@@ -9,29 +9,30 @@ The public API, imported lazily so that ``import policy_export`` does not load T
 
 Sub-packages: ``policy_export.policy`` (spaces, spec file, models, TFPolicy),
 ``policy_export.signatures`` (SignatureDef and the I/O contract) and ``policy_export.exporter``
-(one module per format, parity, manifest, the export API and the command line).
+(the pipelines, sources, formats, parity and the command line); ``policy_export.errors`` is the
+one error hierarchy.
 """
 
 from importlib import import_module
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
-    "policy_export.policy.errors": (
+    "policy_export.errors": (
         "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
         "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
-        "WeightsError",
+        "WeightsError", "ParityFailedError", "UnsafeModelError", "RunTimeoutError", "DeclaredSizeError",
     ),
     "policy_export.policy.spec": (
         "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",
     ),
     "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
-    "policy_export.policy.rllib": ("from_rllib",),
-    "policy_export.exporter.api": (
-        "export_policy", "export_spec", "verify_export", "ExportResult", "VerifyResult",
-        "ParityFailedError", "ALL_FORMATS",
-    ),
-    "policy_export.exporter.parity": ("ParityReport", "Tolerance", "Tolerances"),
+    "policy_export.exporter.sources.rllib": ("from_rllib",),
+    "policy_export.exporter.export": ("export_policy", "export_spec", "ExportResult"),
+    "policy_export.exporter.verify": ("verify_export", "VerifyResult"),
+    "policy_export.exporter.options": ("ExportOptions", "VerifyOptions", "ALL_FORMATS"),
+    "policy_export.exporter.convert": ("convert_saved_model",),
+    "policy_export.exporter.parity.compare": ("ParityReport", "Tolerance", "Tolerances"),
     "policy_export.signatures": ("Contract", "TensorSpec", "build_signature"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

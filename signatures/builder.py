@@ -22,7 +22,7 @@ def find_signature(meta_graph, key: str = SERVING_KEY, where: str = "the SavedMo
     Raises:
         ExportError: it has no such signature (the message lists the ones it has).
     """
-    from policy_export.policy.errors import ExportError
+    from policy_export.errors import ExportError
 
     if key not in meta_graph.signature_def:
         raise ExportError(f"{where} has no signature {key!r}; it has {sorted(meta_graph.signature_def)}")

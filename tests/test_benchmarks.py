@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks.minimal import minimal_mlp
 from conftest import ROOT
-from policy_export.exporter.onnx_model import inference_session
-from policy_export.exporter.parity import sample_observations
+from policy_export.exporter.formats.onnx.model import inference_session
+from policy_export.exporter.parity.compare import sample_observations
 
 
 @pytest.mark.parametrize("name", ["cartpole_mlp", "pendulum_mlp"])

@@ -19,7 +19,7 @@ NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback"
 
 
 def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "exporter"]
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
     env.update(env_extra or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
@@ -123,5 +123,5 @@ def test_module_entry_point_and_fast_help():
                            "import sys, policy_export.exporter.cli; policy_export.exporter.cli.build_parser(); print('tensorflow' in sys.modules)"],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False"  # --help does not import TensorFlow
-    proc = subprocess.run([sys.executable, "-m", "exporter", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "policy_export", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "verify" in proc.stdout

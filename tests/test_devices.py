@@ -8,10 +8,10 @@ import pytest
 
 from conftest import FIXTURES_DIR
 
-from policy_export.exporter import onnx_model
+from policy_export.exporter.formats.onnx import model as onnx_model
 from policy_export.exporter.api import tf32_tolerances
 from policy_export.exporter.devices import CPU_PROVIDER, CUDA_PROVIDER, TF32_TOLERANCE, DevicePlan, plan_devices
-from policy_export.exporter.parity import Tolerance, Tolerances
+from policy_export.exporter.parity.compare import Tolerance, Tolerances
 
 
 @pytest.fixture

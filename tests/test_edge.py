@@ -69,7 +69,7 @@ def test_edge_formats_export_and_verify(name, edge_exports):
 
 def test_tflite_runs_in_litert_with_the_signature_keys(edge_exports):
     Interpreter = _litert()
-    from policy_export.exporter.plan import load_plan  # noqa: F401 (the golden files are plain npz)
+    from policy_export.exporter.parity.plan import load_plan  # noqa: F401 (the golden files are plain npz)
 
     for name in ("cartpole_mlp", "cartpole_lstm"):
         _, out = edge_exports(name)
@@ -94,7 +94,7 @@ def test_tflite_runs_in_litert_with_the_signature_keys(edge_exports):
 def test_tflite_runner_feeds_defaults_and_refuses_explore_where_fixed(edge_exports):
     from policy_export.exporter import formats
     from policy_export.exporter.devices import plan_devices
-    from policy_export.policy.errors import InputError
+    from policy_export.errors import InputError
 
     _, out = edge_exports("cartpole_mlp")
     doc = _manifest(out)

@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 
 from conftest import FIXTURES, FIXTURES_DIR, FORMATS, RECURRENT
-from policy_export.exporter.keras_model import output_keys
+from policy_export.exporter.formats.keras.model import output_keys
 from policy_export.exporter import api, export_policy, export_spec, formats, verify_export
 from policy_export.exporter.manifest import sha256
-from policy_export.exporter.parity import DEFAULT_BATCH, Tolerance, Tolerances
+from policy_export.exporter.parity.compare import DEFAULT_BATCH, Tolerance, Tolerances
 from policy_export.policy import ExportBusyError, ExportError, ExportExistsError, InputError, TFPolicy
 
 tf1 = tf.compat.v1
@@ -184,7 +184,7 @@ def test_failure_mid_export_leaves_nothing_and_keeps_the_previous(tmp_path, poli
 
 
 def test_parity_failure_writes_nothing(tmp_path, policies, monkeypatch):
-    from policy_export.exporter import onnx_model
+    from policy_export.exporter.formats.onnx import model as onnx_model
 
     policy = policies("cartpole_mlp")
     real = onnx_model.OnnxRunner.__call__

@@ -97,7 +97,8 @@ def test_full_disk_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
 
 
 def test_full_disk_in_the_real_onnx_writer_is_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
-    from policy_export.exporter import cli, onnx_model
+    from policy_export.exporter import cli
+    from policy_export.exporter.formats.onnx import model as onnx_model
 
     def full_disk(f, lazy):  # the weights no longer fit once the graph is written
         f.write(b"partial")
@@ -130,7 +131,7 @@ def test_interrupt_mid_export_leaves_nothing(tmp_path, policies, monkeypatch):
 @pytest.mark.slow
 def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),
+    proc = subprocess.Popen([sys.executable, "-m", "policy_export", "export", str(FIXTURES_DIR / "cartpole_mlp"),
                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".pe-*.partial/saved_model")) and time.time() < deadline:
@@ -148,7 +149,7 @@ def test_killed_export_leaves_no_export_and_the_next_one_cleans_up(tmp_path):
 def test_keras_file_with_a_lambda_layer_is_refused(tmp_path):
     import tf_keras as keras
 
-    from policy_export.exporter.keras_model import KerasRunner
+    from policy_export.exporter.formats.keras.model import KerasRunner
 
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Lambda(lambda x: x * 2)(inputs))
@@ -381,7 +382,7 @@ def test_keras_op_layers_are_accepted_and_nested_lambdas_refused(tmp_path):
     import tensorflow as tf
     import tf_keras as keras
 
-    from policy_export.exporter.keras_model import KerasRunner, check_config_safe
+    from policy_export.exporter.formats.keras.model import KerasRunner, check_config_safe
 
     inputs = keras.Input((3,))
     model = keras.Model(inputs, tf.concat([inputs, inputs[:, :1]], axis=-1))  # TFOpLambda, SlicingOpLambda

@@ -91,7 +91,7 @@ def test_a_named_format_the_policy_cannot_have_is_refused(tmp_path):
 def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
     """A plugin registered at run time is written, checked and verified like the built-in ones."""
     from policy_export.exporter.formats import base
-    from policy_export.exporter.tf_runner import TFGraphRunner
+    from policy_export.exporter.formats.tf_runner import TFGraphRunner
     from policy_export.signatures.contract import Contract
 
     class Copy(base.Format):  # a second frozen graph under another name: enough to exercise the plumbing
@@ -99,7 +99,7 @@ def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
         capabilities = base.Capabilities(reference=True, needs_frozen_graph=True)
 
         def write(self, ctx, target):
-            from policy_export.exporter import frozen_graph
+            from policy_export.exporter import tfgraph as frozen_graph
 
             record = frozen_graph.write(ctx, target)
             return type(record)(self.name, record.files, record.details)
@@ -112,7 +112,7 @@ def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
     registry["frozen_copy"] = Copy()
     registry = dict(sorted(registry.items(), key=lambda kv: kv[1].order))
     monkeypatch.setattr(formats, "_REGISTRY", registry)
-    monkeypatch.setattr("policy_export.exporter.context.ALL_FORMATS", tuple(registry))
+    monkeypatch.setattr("policy_export.exporter.options.ALL_FORMATS", tuple(registry))
     from policy_export.exporter import verify_export
 
     result = export_policy(policies("cartpole_mlp"), tmp_path / "x",

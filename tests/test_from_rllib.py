@@ -214,7 +214,7 @@ def test_wrapped_policy_is_a_snapshot(policies):
 
 def test_not_an_rllib_policy():
     from policy_export import from_rllib
-    from policy_export.policy.errors import InputError
+    from policy_export.errors import InputError
 
     with pytest.raises(InputError, match="old API stack"):
         from_rllib(object())
@@ -253,7 +253,7 @@ def test_flattening_matches_rllib_preprocessor():
     import tensorflow as tf
     from ray.rllib.models.preprocessors import get_preprocessor
 
-    from policy_export.policy.rllib import flatten_like_preprocessor, preprocessor_width
+    from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
     from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaf_values, leaves
 
     space = gym.spaces.Dict({

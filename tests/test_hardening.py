@@ -239,7 +239,7 @@ def test_a_journalled_old_export_is_restored_and_an_unjournalled_one_is_not(tmp_
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_termination_signals_clean_up_like_an_interrupt(tmp_path, sig):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),
+    proc = subprocess.Popen([sys.executable, "-m", "policy_export", "export", str(FIXTURES_DIR / "cartpole_mlp"),
                              "--out", str(out), "--samples", "64"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -739,7 +739,7 @@ def _onnx_file(path: Path, metadata: str | None = None, sequence_input: bool = F
     ("sequence_input", "not a tensor"),
 ])
 def test_inspect_of_odd_onnx_files_is_exit_2(tmp_path, kind, fragment):
-    from policy_export.exporter.onnx_model import CONTRACT_METADATA
+    from policy_export.exporter.formats.onnx.model import CONTRACT_METADATA
 
     assert CONTRACT_METADATA == "policy_export.contract"
     metadata = {"metadata_not_json": "{not json", "metadata_wrong_shape": '{"inputs": 3}'}.get(kind)

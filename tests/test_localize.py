@@ -77,9 +77,9 @@ def test_verify_localize_on_a_clean_export_finds_nothing(exports, tmp_path):
 
 def test_localize_compares_in_topological_order(exports, tmp_path):
     """Two faults: the one nearer the inputs is named."""
-    from policy_export.exporter.localize import localize
+    from policy_export.exporter.parity.localize import localize
     from policy_export.exporter.manifest import read_manifest
-    from policy_export.exporter.parity import Tolerance
+    from policy_export.exporter.parity.compare import Tolerance
 
     export = copy_of(exports, "cartpole_mlp", tmp_path)
     inject_fault(export / "model.onnx", "fc_out/kernel:0")

@@ -17,6 +17,19 @@ def test_every_installed_package_lives_under_policy_export():
     assert config["project"]["scripts"]["policy-export"] == "policy_export.exporter.cli:main"
 
 
+def test_every_source_package_is_installed():
+    """A wheel holds only the packages listed: every folder of the sources with an ``__init__.py`` must be."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    dirs = config["tool"]["setuptools"]["package-dir"]
+    found = set()
+    for package, folder in dirs.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found == listed
+
+
 def test_installed_import_name_and_no_top_level_collisions(tmp_path):
     # a user's own project with modules named like the repo folders, run from its own directory
     (tmp_path / "policy.py").write_text("NAME = 'the user policy'\n")

@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import export_policy
-from policy_export.exporter.convert import convert_saved_model, load_saved_model_policy
+from policy_export.exporter.convert import convert_saved_model
+from policy_export.exporter.sources.legacy import load_saved_model_policy
 from policy_export.exporter.inspection import contract_of
 from policy_export.policy import ExportError, TFPolicy
 from policy_export.signatures.contract import Contract, TensorSpec

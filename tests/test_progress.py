@@ -28,7 +28,7 @@ VERIFY_STAGES = ["check files", "load plan", "parity saved_model", "parity froze
 
 
 def cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "exporter"]
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "GITHUB_STEP_SUMMARY")}
     env.update(env_extra or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)

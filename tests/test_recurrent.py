@@ -8,7 +8,7 @@ import pytest
 from conftest import RECURRENT
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.rollout import rollout
-from policy_export.exporter.tf_runner import TFGraphRunner
+from policy_export.exporter.formats.tf_runner import TFGraphRunner
 from policy_export.policy import InputError, TFPolicy, UnsupportedSpaceError, spec_from_json
 
 STATE_KEYS_IN = ["state_in_0", "state_in_1", "seq_lens", "prev_action", "prev_reward"]

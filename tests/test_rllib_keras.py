@@ -82,7 +82,7 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_fixture_is_rllib_keras_base_model(case):
-    from policy_export.exporter.convert_keras import is_keras_base_model, signature_outputs
+    from policy_export.exporter.sources.keras import is_keras_base_model, signature_outputs
 
     model = KERAS_DIR / case / "model"
     assert is_keras_base_model(model)
@@ -160,7 +160,7 @@ def test_action_space_is_required(tmp_path):
 
 def test_action_space_of_the_wrong_width_lists_outputs(tmp_path):
     from policy_export.exporter.convert import convert_saved_model
-    from policy_export.policy.errors import ExportError
+    from policy_export.errors import ExportError
     from policy_export.policy.spaces import space_from_json
 
     space = space_from_json({"type": "Discrete", "n": 5})
@@ -171,7 +171,7 @@ def test_action_space_of_the_wrong_width_lists_outputs(tmp_path):
 
 def test_dist_inputs_named_explicitly_must_fit(tmp_path):
     from policy_export.exporter.convert import convert_saved_model
-    from policy_export.policy.errors import ExportError
+    from policy_export.errors import ExportError
     from policy_export.policy.spaces import space_from_json
 
     space = space_from_json({"type": "Discrete", "n": 2})
@@ -184,8 +184,8 @@ def test_dist_inputs_named_explicitly_must_fit(tmp_path):
 
 
 def test_select_dist_inputs_by_width_and_ambiguity():
-    from policy_export.exporter.convert_keras import select_dist_inputs
-    from policy_export.policy.errors import ExportError
+    from policy_export.exporter.sources.keras import select_dist_inputs
+    from policy_export.errors import ExportError
 
     outputs = {"logits": [None, 4], "aux": [None, 4], "value": [None, 1]}
     with pytest.raises(ExportError, match="several outputs .*aux, logits.*--dist-inputs"):
@@ -195,8 +195,8 @@ def test_select_dist_inputs_by_width_and_ambiguity():
 
 
 def test_observation_space_given_must_fit():
-    from policy_export.exporter.convert_keras import load_keras_policy
-    from policy_export.policy.errors import InputError
+    from policy_export.exporter.sources.keras import load_keras_policy
+    from policy_export.errors import InputError
     from policy_export.policy.spaces import space_from_json
 
     doc = case_doc("dict_obs")
@@ -264,7 +264,7 @@ def _save_module(path: Path, inputs: dict[str, int], outputs: dict[str, int], se
 def test_generic_base_model_with_named_dist_inputs(tmp_path):
     """Any base-model SavedModel: a MultiDiscrete head on the output named with dist_inputs."""
     from policy_export.exporter.convert import convert_saved_model
-    from policy_export.policy.errors import ExportError
+    from policy_export.errors import ExportError
     from policy_export.policy.spaces import space_from_json
 
     weights = _save_module(tmp_path / "m", {"observations": 3}, {"logits": 5, "aux": 5, "value": 1})
@@ -283,7 +283,7 @@ def test_generic_base_model_with_named_dist_inputs(tmp_path):
 
 def test_recurrent_base_model_is_refused(tmp_path):
     from policy_export.exporter.convert import convert_saved_model
-    from policy_export.policy.errors import ExportError
+    from policy_export.errors import ExportError
     from policy_export.policy.spaces import space_from_json
 
     _save_module(tmp_path / "m", {"observations": 3, "state_in_0": 4}, {"fc_out": 2, "state_out_0": 4})

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from policy_export.exporter.cli import main
-from policy_export.exporter.convert import convert_saved_model, load_saved_model_policy, read_meta_graph
+from policy_export.exporter.convert import convert_saved_model
+from policy_export.exporter.sources.legacy import load_saved_model_policy, read_meta_graph
 from policy_export.policy.spaces import space_from_json
 
 LEGACY = Path(__file__).resolve().parent.parent / "fixtures" / "rllib" / "legacy"
@@ -78,7 +79,7 @@ def test_onnx_reproduces_rllib_compute_actions(name, converted):
 @pytest.mark.parametrize("name", FEED_FORWARD)
 def test_exported_saved_model_reproduces_rllib(name, converted):
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.tf_runner import TFGraphRunner
+    from policy_export.exporter.formats.tf_runner import TFGraphRunner
 
     _, expected = case(name)
     _, out = converted(name)
@@ -156,7 +157,7 @@ def test_converted_export_verifies_with_fresh_samples(converted):
 def test_sampling_space_treats_huge_bounds_as_unbounded():
     import gymnasium as gym
 
-    from policy_export.exporter.parity import LARGE_BOUND, sample_observations, sampling_space
+    from policy_export.exporter.parity.compare import LARGE_BOUND, sample_observations, sampling_space
 
     big = np.finfo(np.float32).max
     box = gym.spaces.Box(np.array([-big, 0, -5, -np.inf], np.float32), np.array([big, big, 5, 2], np.float32))

@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 
 from policy_export.exporter.convert import convert_saved_model
-from policy_export.exporter.legacy_recurrent import one_step_outputs
-from policy_export.policy.errors import ExportError
+from policy_export.exporter.sources.lstm_step import one_step_outputs
+from policy_export.errors import ExportError
 
 tf1 = tf.compat.v1
 ort = pytest.importorskip("onnxruntime")

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import export_policy, export_spec, verify_export
-from policy_export.exporter.onnx_model import check_external_data
+from policy_export.exporter.formats.onnx.model import check_external_data
 from policy_export.policy import ExportError
 
 
@@ -129,7 +129,7 @@ def test_the_cli_takes_the_threshold(tmp_path):
 def test_exploration_draws_through_the_action_head_as_a_full_run_would(exports, monkeypatch):
     """ONNX Runtime seeds its random ops: the head, fed the network's output once per probe,
     returns exactly the samples the whole model returns for the repeated probes."""
-    from policy_export.exporter import exploration
+    from policy_export.exporter.parity.compare import exploration
     from policy_export.exporter import formats
     from policy_export.exporter.devices import plan_devices
 

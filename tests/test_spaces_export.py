@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import ParityFailedError, export_policy, export_spec
-from policy_export.exporter import onnx_model
-from policy_export.exporter.tf_runner import TFGraphRunner
+from policy_export.exporter.formats.onnx import model as onnx_model
+from policy_export.exporter.formats.tf_runner import TFGraphRunner
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.defaults import DEFAULT_ALPHA
 from policy_export.policy import TFPolicy, UnsupportedSpaceError, spec_from_json
@@ -212,7 +212,7 @@ def test_random_spaces_export_with_parity(obs, act, hiddens, activation, seed, t
 def test_two_sample_tests_agree_with_scipy_stats():
     from scipy import stats
 
-    from policy_export.exporter.exploration import chi_square_homogeneity, ks_two_sample
+    from policy_export.exporter.parity.exploration import chi_square_homogeneity, ks_two_sample
 
     rng = np.random.default_rng(0)
     for k in (2, 3, 6):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES, FIXTURES_DIR
-from policy_export.policy.errors import SpecError, UnsupportedSpaceError
+from policy_export.errors import SpecError, UnsupportedSpaceError
 from policy_export.policy.spaces import leaves, space_from_json, space_to_json
 from policy_export.policy.spec import load_spec, spec_from_json
 

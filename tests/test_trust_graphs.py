@@ -96,7 +96,7 @@ def test_every_fixture_export_needs_only_allowed_ops(exports):
 
 
 def test_convert_of_a_legacy_model_loads_no_training_op(tmp_path):
-    from policy_export.exporter.convert import load_saved_model_policy
+    from policy_export.exporter.sources.legacy import load_saved_model_policy
 
     policy, _ = load_saved_model_policy(LEGACY / "cartpole_ff" / "saved_model", device="cpu")
     try:

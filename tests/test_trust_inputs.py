@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES_DIR
-from policy_export.exporter import manifest
+from policy_export.exporter import formats, manifest
 from policy_export.policy import SpecError, TFPolicy, WeightsError, load_spec
 from policy_export.policy.jsonio import JSONError, loads
 from test_cli import cli
@@ -158,10 +158,10 @@ def test_malformed_manifests_are_exit_2_naming_the_problem(tmp_path, small_expor
 def test_check_files_flags_a_file_listed_twice(small_export):
     doc = json.loads((small_export / "manifest.json").read_text())
     first = doc["files"][0]
-    check = manifest.check_files(small_export, {**doc, "files": [*doc["files"], dict(first)]})
+    check = manifest.check_files(small_export, {**doc, "files": [*doc["files"], dict(first)]}, formats.paths())
     assert check.problems == [f"file {first['path']} is listed more than once in the manifest"]
     assert not check.trusted(first["path"])
-    assert manifest.check_files(small_export, doc).problems == []
+    assert manifest.check_files(small_export, doc, formats.paths()).problems == []
 
 
 # -------------------------------------------------------------------------------- exact weights
@@ -237,7 +237,7 @@ def test_a_keras_op_layer_naming_a_file_writing_tf_function_is_refused_before_lo
     import tensorflow as tf
     import tf_keras as keras
 
-    from policy_export.exporter.keras_model import OP_LAMBDA_FUNCTIONS, KerasRunner
+    from policy_export.exporter.formats.keras.model import OP_LAMBDA_FUNCTIONS, KerasRunner
     from policy_export.policy import ExportError
 
     inputs = keras.Input((3,))
@@ -259,7 +259,7 @@ def test_a_keras_op_layer_naming_a_file_writing_tf_function_is_refused_before_lo
 @pytest.mark.parametrize("factor, fails", [(3.0, True), (0.3, False)])
 def test_rollout_fails_a_float_action_off_by_a_few_times_its_tolerance(exports, monkeypatch, factor, fails):
     from policy_export.exporter import api
-    from policy_export.exporter.parity import Tolerances
+    from policy_export.exporter.parity.compare import Tolerances
     from policy_export.exporter.rollout import rollout
 
     _, out = exports("pendulum_mlp")

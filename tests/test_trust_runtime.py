@@ -112,7 +112,7 @@ def export(exports, tmp_path_factory):
 
 def test_run_limits_are_validated():
     from policy_export.exporter.watchdog import DEFAULT_RUN_TIMEOUT, current_limit, run_limit
-    from policy_export.policy.errors import InputError
+    from policy_export.errors import InputError
 
     assert current_limit() == DEFAULT_RUN_TIMEOUT == 600.0
     for bad in (0, -1, float("nan"), float("inf"), "soon"):
@@ -146,7 +146,7 @@ def test_a_call_that_ignores_stop_is_left_behind_and_never_run_again():
 
 def test_an_endless_onnx_loop_is_stopped_at_the_run_limit(export, tmp_path):
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.onnx_model import OnnxRunner
+    from policy_export.exporter.formats.onnx.model import OnnxRunner
     from policy_export.exporter.watchdog import RunTimeoutError, run_limit
 
     path = loop_model(export, tmp_path / "loop.onnx")
@@ -189,7 +189,7 @@ def test_a_bad_run_timeout_is_exit_2_before_anything_runs(export, tmp_path):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_stops_verify_inside_an_endless_onnx_loop(export, tmp_path, sig):
     path = loop_model(export, tmp_path / "loop.onnx")
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "verify", str(export), "--candidate", f"onnx={path}"],
+    proc = subprocess.Popen([sys.executable, "-m", "policy_export", "verify", str(export), "--candidate", f"onnx={path}"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -224,7 +224,7 @@ def test_a_signal_stops_verify_inside_an_endless_onnx_loop(export, tmp_path, sig
 def test_onnx_tensors_declaring_more_than_the_file_holds_are_refused_before_onnx_runtime(export, tmp_path, kind,
                                                                                         fragment):
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.onnx_model import DeclaredSizeError, OnnxRunner
+    from policy_export.exporter.formats.onnx.model import DeclaredSizeError, OnnxRunner
 
     path = sized_model(export, tmp_path / f"{kind}.onnx", kind)
     import onnxruntime as ort
@@ -250,7 +250,7 @@ def test_verify_refuses_a_candidate_declaring_a_gigabyte_it_does_not_hold(export
 
 
 def test_the_exports_own_onnx_models_pass_and_declare_their_weights(export):
-    from policy_export.exporter.onnx_model import check_declared_sizes, weight_bytes
+    from policy_export.exporter.formats.onnx.model import check_declared_sizes, weight_bytes
 
     model = onnx.load(str(export / "model.onnx"), load_external_data=False)
     total = check_declared_sizes(model, export / "model.onnx")
@@ -264,7 +264,7 @@ def test_an_endless_tf_while_in_a_frozen_graph_is_stopped_at_the_run_limit(tmp_p
     import tensorflow as tf
 
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.tf_runner import TFGraphRunner
+    from policy_export.exporter.formats.tf_runner import TFGraphRunner
     from policy_export.exporter.watchdog import RunTimeoutError, run_limit
 
     tf1 = tf.compat.v1
@@ -288,7 +288,7 @@ def test_the_tf_action_head_keeps_the_run_limit():
     """Exploration draws feed the head directly; a head that loops is stopped like any other run."""
     import tensorflow as tf
 
-    from policy_export.exporter.tf_runner import tf_head
+    from policy_export.exporter.formats.tf_runner import tf_head
     from policy_export.exporter.watchdog import RunTimeoutError, run_limit
     from policy_export.signatures.keys import ACTION_DIST_INPUTS, EXPLORE, action_key
 

@@ -351,7 +351,7 @@ def test_sigterm_at_a_random_time_leaves_the_old_export_or_a_complete_new_one(tm
     out = tmp_path / "out"
     shutil.copytree(small_export, out)
     old = snapshot(out)
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "export", str(FIXTURES_DIR / "cartpole_mlp"),
+    proc = subprocess.Popen([sys.executable, "-m", "policy_export", "export", str(FIXTURES_DIR / "cartpole_mlp"),
                              "--out", str(out), "--overwrite", "--formats", "saved_model,onnx", "--samples", "8",
                              "--explore-samples", "0", "-q"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -367,6 +367,6 @@ def test_sigterm_at_a_random_time_leaves_the_old_export_or_a_complete_new_one(tm
         assert proc.returncode == 0, stderr
         assert len(lines) <= 1 and all("after the export was complete" in line for line in lines), stderr
         assert snapshot(out) != old
-        verify = subprocess.run([sys.executable, "-m", "exporter", "verify", str(out), "-q"], cwd=ROOT,
+        verify = subprocess.run([sys.executable, "-m", "policy_export", "verify", str(out), "-q"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=300)
         assert verify.returncode == 0, verify.stderr

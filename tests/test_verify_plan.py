@@ -21,7 +21,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import helper, numpy_helper  # noqa: E402
 
 from policy_export.exporter import manifest  # noqa: E402
-from policy_export.exporter.parity import Tolerance, Tolerances, compare, compare_arrays  # noqa: E402
+from policy_export.exporter.parity.compare import Tolerance, Tolerances, compare, compare_arrays  # noqa: E402
 
 
 def resign(export: Path) -> None:
@@ -146,7 +146,7 @@ def test_one_differing_action_fails_the_golden_comparison(exports, tmp_path):
 
 def test_one_differing_action_fails_the_fresh_samples(exports, tmp_path):
     """model.onnx flips its action for exactly one of the fresh observations verify draws."""
-    from policy_export.exporter.replay import fresh_feeds
+    from policy_export.exporter.parity.replay import fresh_feeds
     from policy_export.signatures.contract import Contract
 
     export = copy_of(exports, "cartpole_mlp", tmp_path)
@@ -431,7 +431,7 @@ def test_a_bad_candidate_flag_is_exit_2(exports, tmp_path, capsys, flag, fragmen
 def test_outputs_allowed_to_be_non_finite_are_recorded_and_checked(tmp_path, capsys):
     from policy_export.exporter import export_spec
     from policy_export.exporter.api import verify_export
-    from policy_export.policy.errors import InputError
+    from policy_export.errors import InputError
 
     allowed = Tolerances(allow_non_finite=frozenset({"action_logp"}))
     with pytest.raises(InputError, match="unknown output"):

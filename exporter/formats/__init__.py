@@ -1,10 +1,11 @@
-"""Export formats as plugins: one module per format in this package, found by the registry.
+"""Export formats as plugins: one module (or sub-package) per format in this package, found by the registry.
 
-Each module defines ``FORMAT``, an instance of :class:`~exporter.formats.base.Format`: its name, the
+Each defines ``FORMAT``, an instance of :class:`~exporter.formats.base.Format`: its name, the
 path it writes inside an export, its capabilities, ``write(ctx, target)`` and
 ``open(path, manifest, device) -> Runner``. Export, verify, candidates, rollouts and localisation
 ask the registry and the capabilities; none of them names a format. A new format is a new module
-here. Importing this package is light: the modules import TensorFlow or ONNX only when they write
+here; a format with more than one file is a sub-package (``onnx/``: writer, conversion, runner
+and compressed models; ``tflite/``; ``keras/``), and its variants import it (``onnx_int8``). Importing this package is light: the modules import TensorFlow or ONNX only when they write
 or open a model.
 
     from policy_export.exporter import formats
@@ -18,11 +19,14 @@ import importlib
 import pkgutil
 
 from policy_export.exporter.formats.base import Capabilities, Format
-from policy_export.policy.errors import InputError
+from policy_export.errors import InputError
 
 __all__ = ["Capabilities", "Format", "all_formats", "get", "names", "default_names", "with_capability", "paths"]
 
 _REGISTRY: dict[str, Format] | None = None
+# what the formats share, not formats: the plugin protocol and export context, the runner base
+# class, and the TensorFlow runner of the SavedModel and frozen graph
+_SHARED = {"base", "runner", "tf_runner"}
 
 
 def _registry() -> dict[str, Format]:
@@ -30,7 +34,7 @@ def _registry() -> dict[str, Format]:
     if _REGISTRY is None:
         found = []
         for info in pkgutil.iter_modules(__path__):
-            if info.name == "base":
+            if info.name in _SHARED:
                 continue
             module = importlib.import_module(f"{__name__}.{info.name}")
             fmt = getattr(module, "FORMAT", None)

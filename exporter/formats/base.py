@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policy_export.policy.errors import InputError
+from policy_export.errors import InputError
+from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OPSET
+from policy_export.exporter.devices import DevicePlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from policy_export.exporter.context import ExportContext, FormatRecord
-    from policy_export.exporter.parity import ParityReport
-    from policy_export.exporter.replay import Replay
-    from policy_export.exporter.runner import Runner
+    from policy_export.exporter.parity.compare import ParityReport
+    from policy_export.exporter.parity.replay import Replay
+    from policy_export.exporter.formats.runner import Runner
     from policy_export.signatures.contract import Contract
 
 
@@ -31,7 +32,7 @@ class Capabilities:
     - ``default``: written when no formats are chosen;
     - ``lossy``: computes an approximation of the policy (quantised, float16), so it is held to
       behavioural thresholds (action agreement, Box error as a share of the range; see
-      :mod:`exporter.behaviour`) instead of value-by-value tolerances.
+      :mod:`exporter.parity.behaviour`) instead of value-by-value tolerances.
     """
 
     signature: bool = True
@@ -63,7 +64,7 @@ class Format:
         raise NotImplementedError
 
     def open(self, path: Path, manifest: Mapping[str, Any], device: Any) -> "Runner":
-        """A :class:`~exporter.runner.Runner` over the model at ``path`` (checked before any
+        """A :class:`~exporter.formats.runner.Runner` over the model at ``path`` (checked before any
         runtime loads it). ``manifest`` is the export's manifest (``tensor_names``, ``contract``,
         ``formats``)."""
         raise NotImplementedError(f"the {self.name} format has no runner")
@@ -99,3 +100,46 @@ class Format:
 
     def __repr__(self) -> str:
         return f"<format {self.name}: {self.path}>"
+
+
+@dataclass(frozen=True)
+class FormatRecord:
+    """What one format writer wrote: paths relative to the export root, and format details."""
+
+    format: str
+    files: tuple[str, ...]
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExportContext:
+    """Inputs to every format writer. The frozen graph is made once, on first use."""
+
+    policy: Any  # policy.TFPolicy
+    signature: Any  # signatures.Signature
+    device: DevicePlan
+    opset: int = DEFAULT_OPSET
+    inputs_as_nchw: bool = False
+    external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD
+    _frozen: Any = None
+    _cache: dict = field(default_factory=dict)
+
+    def frozen_graph_def(self):
+        """The frozen inference GraphDef holding every signature output (cached)."""
+        if self._frozen is None:
+            from policy_export.exporter import tfgraph
+
+            self._frozen = tfgraph.freeze(self.policy, self.signature)
+        return self._frozen
+
+    def cached(self, key: str, make):
+        """``make()``, made once per export and kept until :meth:`release` (e.g. both ONNX models
+        from one conversion, which several formats share)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def release(self) -> None:
+        """Drop the cached frozen graph and everything :meth:`cached` holds (their weights) once written."""
+        self._frozen = None
+        self._cache.clear()

@@ -20,12 +20,12 @@ class OnnxDeterministicFormat(Format):
         return None
 
     def write(self, ctx, target: Path):
-        from policy_export.exporter import onnx_model
+        from policy_export.exporter.formats.onnx import model as onnx_model
 
         return onnx_model.write_deterministic(ctx, target)
 
     def open(self, path: Path, manifest, device):
-        from policy_export.exporter.onnx_model import OnnxRunner
+        from policy_export.exporter.formats.onnx.model import OnnxRunner
         from policy_export.signatures.contract import Contract
 
         return OnnxRunner(path, device, contract=Contract.from_json(manifest["contract"]))

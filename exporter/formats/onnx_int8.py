@@ -22,12 +22,12 @@ class OnnxInt8Format(Format):
         return None
 
     def write(self, ctx, target: Path):
-        from policy_export.exporter import edge
+        from policy_export.exporter.formats.onnx import compress
 
-        return edge.write_compressed_onnx(ctx, target, self.name, self.kind)
+        return compress.write_compressed_onnx(ctx, target, self.name, self.kind)
 
     def open(self, path: Path, manifest, device):
-        from policy_export.exporter.onnx_model import OnnxRunner
+        from policy_export.exporter.formats.onnx.model import OnnxRunner
         from policy_export.signatures.contract import Contract
 
         return OnnxRunner(path, device, contract=Contract.from_json(manifest["contract"]))

@@ -1,0 +1,176 @@
+"""The ``policy-export`` command line's arguments (:func:`build_parser`), exit codes and text helpers."""
+
+from __future__ import annotations
+
+import argparse
+
+from policy_export.exporter import defaults as D
+
+PROG = "policy-export"
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # SIGINT, SIGTERM and SIGHUP alike
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: newlines and other control characters escaped (user text cannot add lines)."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
+
+
+def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> None:
+    p.add_argument("--samples", type=int, default=samples_default, metavar="N",
+                   help="observations sampled for parity" + (f" (default {samples_default})" if samples_default else
+                                                             " (default 0: golden inputs only)"))
+    p.add_argument("--atol", type=float, default=None, metavar="X",
+                   help=f"default absolute tolerance ({D.DEFAULT_ATOL:g})")
+    p.add_argument("--rtol", type=float, default=None, metavar="X",
+                   help=f"default relative tolerance ({D.DEFAULT_RTOL:g})")
+    p.add_argument("--tolerance", action="append", default=[], metavar="KEY=ATOL[:RTOL]",
+                   help="tolerance for one output; repeatable")
+    p.add_argument("--allow-non-finite", action="append", default=[], metavar="KEY",
+                   help="output that may hold NaN or infinity (matching the reference's); repeatable")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
+    _tf32_option(p)
+    p.add_argument("--behaviour", action="append", default=[], metavar="[FORMAT:]NAME=VALUE",
+                   help="threshold of a lossy format (tflite_int8, onnx_int8, onnx_fp16; without FORMAT: all): "
+                        "min_agreement (default 0.99) or max_box_error (default 0.02); repeatable")
+    p.add_argument("--report-json", metavar="F", help="write the parity report as JSON to F")
+    p.add_argument("--junit", metavar="F", help="write JUnit XML (one test case per format and output) to F")
+
+
+def _tf32_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-tf32", action="store_true",
+                   help="let GPUs compute float32 matmuls in TF32 (off by default, in TF and ONNX Runtime alike); "
+                        "the default tolerance then becomes at least 1e-2")
+
+
+def _run_timeout_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest one call into a runtime (ONNX Runtime, TF, TFLite, Keras) may take before it "
+                        "is stopped and fails the check, exit 1 (default 600)")
+
+
+def _quiet_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (by default each stage is shown with its elapsed time: a live "
+                        "display on a terminal, one line per stage otherwise)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
+    parser.add_argument("--debug", action="store_true", help="show library logs and tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show library logs and tracebacks")
+    _export_parser(sub, common)
+    _verify_parser(sub, common)
+    _inspect_parser(sub, common)
+    _diff_parser(sub, common)
+    _convert_parser(sub, common)
+    _rollout_parser(sub, common)
+    return parser
+
+
+def _export_parser(sub, common) -> None:
+    ex = sub.add_parser("export", parents=[common], help="export a policy spec directory to every format and check parity")
+    ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
+    ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
+    ex.add_argument("--formats", default=None, metavar="LIST",
+                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
+                         "(the default) and the opt-in edge formats tflite,tflite_int8,onnx_int8,onnx_fp16")
+    ex.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N",
+                    help=f"ONNX opset (default {D.DEFAULT_OPSET})")
+    ex.add_argument("--seed", type=int, default=D.EXPORT_SEED, metavar="S",
+                    help=f"seed of the parity samples (default {D.EXPORT_SEED})")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT")
+    ex.add_argument("--inputs-as-nchw", action="store_true",
+                    help="ONNX model takes rank-4 image inputs as NCHW (other inputs keep their layout)")
+    ex.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
+                    help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
+    ex.add_argument("--external-data-threshold", type=int, default=D.DEFAULT_EXTERNAL_DATA_THRESHOLD, metavar="BYTES",
+                    help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
+                         f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
+    _parity_options(ex, D.DEFAULT_SAMPLES)
+    _run_timeout_option(ex)
+    _quiet_option(ex)
+
+
+def _verify_parser(sub, common) -> None:
+    ve = sub.add_parser("verify", parents=[common], help="check an export's files and re-run its formats against golden outputs")
+    ve.add_argument("out", metavar="OUT", help="export directory")
+    ve.add_argument("--seed", type=int, default=D.VERIFY_SEED, metavar="S",
+                    help=f"seed of fresh samples (default {D.VERIFY_SEED})")
+    ve.add_argument("--expect-manifest-sha256", metavar="HEX", default=None,
+                    help="fail unless manifest.json has this sha256 (pin the digest kept outside the export)")
+    ve.add_argument("--localize", action="store_true",
+                    help="name the first intermediate tensor where each ONNX model leaves the frozen graph")
+    ve.add_argument("--candidate", action="append", default=[], metavar="FORMAT=PATH",
+                    help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
+                         "export's stored parity plan instead of the export's own formats; repeatable")
+    _parity_options(ve, 0)
+    _run_timeout_option(ve)
+    _quiet_option(ve)
+
+
+def _inspect_parser(sub, common) -> None:
+    ins = sub.add_parser("inspect", parents=[common],
+                         help="list the inputs and outputs of an export, a .onnx file or a SavedModel")
+    ins.add_argument("path", metavar="PATH", help="export directory, model.onnx, or SavedModel directory")
+    ins.add_argument("--signature", default="serving_default", metavar="KEY", help="SavedModel signature")
+    ins.add_argument("--tag", default="serve", metavar="TAG", help="SavedModel tag")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _diff_parser(sub, common) -> None:
+    di = sub.add_parser("diff", parents=[common],
+                        help="compare the contracts of two exports: exit 1 on a breaking change")
+    di.add_argument("old", metavar="OLD", help="the export (or .onnx / SavedModel) deployed now")
+    di.add_argument("new", metavar="NEW", help="the candidate")
+    di.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+
+
+def _convert_parser(sub, common) -> None:
+    co = sub.add_parser("convert", parents=[common],
+                        help="turn an existing TF1 SavedModel (e.g. RLlib's) into a full export with clean keys")
+    co.add_argument("saved_model", metavar="SAVED_MODEL_DIR")
+    co.add_argument("--out", required=True, metavar="OUT")
+    co.add_argument("--signature", default="serving_default", metavar="KEY")
+    co.add_argument("--tag", default="serve", metavar="TAG")
+    co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
+    co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
+    co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    _tf32_option(co)
+    co.add_argument("--overwrite", action="store_true")
+    co.add_argument("--state", action="append", default=[], metavar="IN_KEY=OUT_KEY",
+                    help="pair a state input with its output, in order (repeat); default: natural order of names")
+    co.add_argument("--observation-space", default=None, metavar="JSON|FILE",
+                    help="the observation space the graph takes, in policy.json's space format (JSON text or a "
+                         ".json file); parity samples from it (default: inferred from the tensors)")
+    co.add_argument("--action-space", default=None, metavar="JSON|FILE",
+                    help="the action space the graph computes, same format (default: inferred from the tensors)")
+    co.add_argument("--dist-inputs", default=None, metavar="KEY",
+                    help="Keras base models: the output holding the action distribution inputs "
+                         "(default: the one output of the width the action space needs)")
+    _run_timeout_option(co)
+    _quiet_option(co)
+
+
+def _rollout_parser(sub, common) -> None:
+    ro = sub.add_parser("rollout", parents=[common],
+                        help="play an environment with the export's TF and ONNX runtimes and compare their actions")
+    ro.add_argument("out", metavar="OUT", help="export directory")
+    ro.add_argument("--env", required=True, metavar="ENV_ID", help="gymnasium environment id, e.g. CartPole-v1")
+    ro.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes (default 10)")
+    ro.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the first episode (default 0)")
+    ro.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    _tf32_option(ro)
+    ro.add_argument("--report-json", metavar="F", help="write the rollout report as JSON to F")
+    ro.add_argument("--formats", default=None, metavar="LIST",
+                    help="comma-separated formats that play, the first is the reference unless it is lossy "
+                         "(the float SavedModel is then the reference) (default saved_model,onnx; also "
+                         "frozen_graph, onnx_deterministic, tflite, tflite_int8, onnx_int8, onnx_fp16)")
+    ro.add_argument("--return-tolerance", type=float, default=0.05, metavar="X",
+                    help="lossy formats: largest relative difference of the mean return from the reference's "
+                         "(default 0.05)")
+    _run_timeout_option(ro)

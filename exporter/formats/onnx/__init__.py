@@ -1,0 +1,28 @@
+"""``onnx``: ``model.onnx``, every signature output, with the explore branch; run by ONNX Runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from policy_export.exporter.formats.base import Capabilities, Format
+
+
+class OnnxFormat(Format):
+    name = "onnx"
+    path = "model.onnx"
+    order = 30
+    capabilities = Capabilities(onnx=True)
+
+    def write(self, ctx, target: Path):
+        from policy_export.exporter.formats.onnx import model as onnx_model
+
+        return onnx_model.write(ctx, target)
+
+    def open(self, path: Path, manifest, device):
+        from policy_export.exporter.formats.onnx.model import OnnxRunner
+        from policy_export.signatures.contract import Contract
+
+        return OnnxRunner(path, device, contract=Contract.from_json(manifest["contract"]))
+
+
+FORMAT = OnnxFormat()

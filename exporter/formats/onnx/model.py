@@ -1,0 +1,678 @@
+"""The ONNX model, converted from the frozen graph with tf2onnx.
+
+Its input and output names are the signature keys. Optional inputs (``explore``,
+``is_training``, ``timestep``...) are graph inputs backed by an initializer holding the default:
+ONNX's way to say "may be fed". ONNX Runtime lists them with
+``session.get_overridable_initializers()`` rather than ``get_inputs()``; the full contract is also
+in the model's metadata (``policy_export.contract``). A client that feeds only the required inputs
+gets the defaults, so deterministic actions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policy_export.exporter.compat import import_onnx
+
+onnx = import_onnx()
+from onnx import helper, numpy_helper  # noqa: E402
+
+from policy_export.exporter.formats.base import ExportContext, FormatRecord
+from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
+from policy_export.exporter.devices import DevicePlan
+from policy_export.exporter.formats.onnx.convert import names_read, onnx_models
+from policy_export.exporter.protowire import header
+from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.policy import jsonio
+from policy_export.errors import DeclaredSizeError, ExportError  # noqa: F401 (DeclaredSizeError: raised here)
+from policy_export.signatures.contract import Contract
+
+log = logging.getLogger(__name__)
+DETERMINISTIC_FILENAME = "model_deterministic.onnx"
+RANDOM_OPS = {"Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli"}
+BATCH_DIM = "batch"
+CONTRACT_METADATA = "policy_export.contract"
+LAYOUT_METADATA = "policy_export.nchw_inputs"
+
+
+def finish_model(model: onnx.ModelProto, contract: Contract, opset: int, nchw: list[str] | None = None) -> None:
+    """Make ``model`` carry the contract exactly (:func:`save` runs the full checker on the file).
+
+    ``nchw`` names the inputs whose layout was transposed to NCHW (recorded in the metadata).
+    """
+    _check_opset(model, opset)
+    graph = model.graph
+    _scalar_one_hot_depths(graph)
+    _add_missing_inputs(graph, contract)
+    _drop_unused_initializers(graph)
+    _name_batch_dims(graph, contract)
+    del model.metadata_props[:]
+    helper.set_model_props(model, {CONTRACT_METADATA: json.dumps(contract.to_json(), sort_keys=True),
+                                   LAYOUT_METADATA: json.dumps(sorted(nchw or []))})
+    model.producer_name = "policy-export"
+
+
+def _check_opset(model: onnx.ModelProto, opset: int) -> None:
+    versions = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    if versions.get("ai.onnx") != opset:
+        raise ExportError(f"requested ONNX opset {opset} but the converter wrote opset {versions.get('ai.onnx')}")
+
+
+def _scalar_one_hot_depths(graph: onnx.GraphProto) -> None:
+    """Make every constant ``OneHot`` depth a scalar (tf2onnx writes a one-element tensor, which
+    the spec allows but some runtimes, onnx's reference evaluator among them, reject)."""
+    initializers = {i.name: i for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type != "OneHot" or node.input[1] not in initializers:
+            continue
+        depth = numpy_helper.to_array(initializers[node.input[1]])
+        if depth.shape == (1,):
+            name = f"{node.input[1]}__scalar"
+            if name not in initializers:
+                initializers[name] = numpy_helper.from_array(depth.reshape(()), name)
+                graph.initializer.append(initializers[name])
+            node.input[1] = name
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Remove initializers that no node reads and that back no graph input (an optional input's
+    default) or output: the converter's and the post-processing's leftovers."""
+    keep = names_read(graph) | {i.name for i in graph.input} | {o.name for o in graph.output}
+    unused = [i for i in graph.initializer if i.name not in keep]
+    for init in unused:
+        graph.initializer.remove(init)
+    if unused:
+        log.debug("dropped %d unused initializers: %s", len(unused), [i.name for i in unused])
+
+
+def _add_missing_inputs(graph: onnx.GraphProto, contract: Contract) -> None:
+    """Every contract input becomes a graph input; optional ones get an initializer default."""
+    existing = {i.name for i in graph.input}
+    initializers = {i.name for i in graph.initializer}
+    for spec in contract.inputs:
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype))
+        if spec.key not in existing:
+            dims = [BATCH_DIM if (i == 0 and d is None) else d for i, d in enumerate(spec.shape)]
+            graph.input.append(helper.make_tensor_value_info(spec.key, elem, dims))
+        if not spec.required and spec.key not in initializers:
+            value = np.asarray(spec.default, dtype=np.dtype(spec.dtype))
+            graph.initializer.append(numpy_helper.from_array(value, spec.key))
+        if spec.required and spec.key in initializers:
+            raise ExportError(f"required input {spec.key!r} became a constant in the ONNX model")
+
+
+def _name_batch_dims(graph: onnx.GraphProto, contract: Contract) -> None:
+    specs = {s.key: s for s in (*contract.inputs, *contract.outputs)}
+    for value_info in (*graph.input, *graph.output):
+        spec = specs.get(value_info.name)
+        if spec is None or not spec.shape or spec.shape[0] is not None:
+            continue
+        dims = value_info.type.tensor_type.shape.dim
+        if dims:
+            dims[0].Clear()
+            dims[0].dim_param = BATCH_DIM
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers (their serialised size: nothing is copied to count it)."""
+    return sum(i.ByteSize() for i in model.graph.initializer)
+
+
+def save(model: onnx.ModelProto, target: Path, external_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD,
+         lazy: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """Save ``model`` to ``target`` (the checker is :func:`check_saved`, run once the caller has let
+    go of the model); returns the file names written (the model, and its external data file when
+    there is one).
+
+    ``lazy`` (name -> :class:`~exporter.formats.onnx.convert.LazyWeight`) are initializers the model does
+    not hold yet: each is read and written in turn, so that one of them is in memory at a time.
+    Models whose weights exceed ``external_threshold`` bytes keep them in ``<target>.data`` beside
+    the model (ONNX external data): a single protobuf cannot exceed 2 GiB.
+    """
+    lazy = dict(lazy or {})
+    files = [target.name]
+    if weight_bytes(model) + sum(w.nbytes for w in lazy.values()) > external_threshold:
+        location = f"{target.name}.data"
+        _write_external(model, target.parent / location, location, lazy)
+        onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=location, size_threshold=1024, convert_attribute=False)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(target.parent / location, 0o666 & ~umask)  # written private; it is part of the export
+        files.append(location)
+    else:
+        with open(target, "wb") as f:
+            f.write(model.SerializeToString())
+            _append_initializers(f, lazy)
+    return tuple(files)
+
+
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str, lazy: Mapping[str, Any]) -> None:
+    """Write each lazy weight to ``data_path`` and add it to ``model`` as an external initializer
+    (``onnx.save_model`` then appends the model's own large initializers to the same file)."""
+    from policy_export.exporter.formats.onnx.convert import little_endian
+
+    with open(data_path, "wb") as f:
+        for name, weight in lazy.items():
+            value = little_endian(weight.value())
+            offset = f.tell()
+            f.write(memoryview(value).cast("B"))
+            tensor = model.graph.initializer.add()
+            tensor.name = name
+            tensor.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+            tensor.dims.extend(value.shape)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, val in (("location", location), ("offset", str(offset)), ("length", str(value.nbytes))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, val
+            del value
+
+
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9  # field numbers in onnx.proto
+
+
+def _append_initializers(f, lazy: Mapping[str, Any]) -> None:
+    """Append the lazy weights to a serialised ModelProto as a second ``graph`` field holding only
+    initializers: protobuf merges a message field that appears twice, so the model's graph gains
+    them. Each tensor's raw data is written from the array's own buffer."""
+    from policy_export.exporter.formats.onnx.convert import little_endian
+
+    if not lazy:
+        return
+    heads = {}
+    for name, weight in lazy.items():
+        tensor = onnx.TensorProto()
+        tensor.name = name
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(weight.dtype)
+        tensor.dims.extend(weight.shape)
+        head = tensor.SerializeToString() + header(_TENSOR_RAW_DATA, weight.nbytes)
+        heads[name] = head
+    entries = {name: len(head) + lazy[name].nbytes for name, head in heads.items()}
+    graph_len = sum(len(header(_GRAPH_INITIALIZER, n)) + n for n in entries.values())
+    f.write(header(_MODEL_GRAPH, graph_len))
+    for name, weight in lazy.items():
+        value = little_endian(weight.value())
+        if value.nbytes != weight.nbytes:
+            raise ExportError(f"weight {name} has {value.nbytes} bytes, expected {weight.nbytes}")
+        f.write(header(_GRAPH_INITIALIZER, entries[name]) + heads[name])
+        f.write(memoryview(value).cast("B"))
+        del value
+
+
+def check_saved(target: Path) -> None:
+    """The full ONNX checker on a saved model file.
+
+    Raises:
+        ExportError: the checker fails.
+    """
+    try:
+        onnx.checker.check_model(str(target), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise ExportError(f"the ONNX model fails onnx.checker: {e}") from e
+
+
+def write(ctx: ExportContext, target: Path) -> FormatRecord:
+    """Save ``model.onnx`` (converted together with the deterministic model, see :mod:`exporter.formats.onnx.convert`)."""
+    converted = onnx_models(ctx)
+    model, lazy = converted.take_lazy("full")
+    finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
+    details = {
+        "opset": ctx.opset, "nodes": len(model.graph.node),
+        "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
+        "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
+    }
+    files = save(model, target, ctx.external_data_threshold, lazy)
+    del model, lazy  # the checker reads the file
+    check_saved(target)
+    return FormatRecord("onnx", files, details)
+
+
+def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
+    """Save the deterministic path alone: no random ops, no explore branch.
+
+    Raises:
+        ExportError: the policy exposes no deterministic outputs, or the model still holds
+            random ops or control flow.
+    """
+    from policy_export.signatures.builder import build_deterministic_signature
+
+    sig = build_deterministic_signature(ctx.policy)
+    converted = onnx_models(ctx)
+    if sig is None or converted.deterministic is None:
+        raise ExportError("the policy exposes no deterministic outputs; leave 'onnx_deterministic' out of the formats")
+    model, lazy = converted.take_lazy("deterministic")
+    unwanted = sorted({n.op_type for n in model.graph.node} & (RANDOM_OPS | {"If", "Loop"}))
+    if unwanted:
+        raise ExportError(f"the deterministic model still holds {unwanted}")
+    finish_model(model, sig.contract, ctx.opset, [k for k in converted.nchw if k in sig.contract.input_keys])
+    details = {
+        "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
+        "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,
+    }
+    files = save(model, target, ctx.external_data_threshold, lazy)
+    del model, lazy
+    check_saved(target)
+    return FormatRecord("onnx_deterministic", files, details)
+
+
+def nchw_inputs(model: onnx.ModelProto) -> list[str]:
+    """Inputs this model takes in NCHW layout (from its metadata)."""
+    for prop in model.metadata_props:
+        if prop.key == LAYOUT_METADATA:
+            return list(jsonio.loads(prop.value, f"ONNX metadata {LAYOUT_METADATA!r}"))
+    return []
+
+
+def contract_from_model(model: onnx.ModelProto) -> Contract | None:
+    """The contract stored in a model's metadata, if any."""
+    for prop in model.metadata_props:
+        if prop.key == CONTRACT_METADATA:
+            return Contract.from_json(jsonio.loads(prop.value, f"ONNX metadata {CONTRACT_METADATA!r}"))
+    return None
+
+
+def check_file(path: Path, inspect=None):
+    """Check a model file before any runtime loads it: its external data locations
+    (:func:`check_external_data`), then ``onnx.checker``. ``inspect`` (a function of the parsed
+    model, without its external data) runs in between and its result is returned; the parsed
+    model is let go before the checker reads the file again.
+
+    Raises:
+        ExportError: the file is missing or is not a valid ONNX model.
+        DeclaredSizeError: a tensor's declared size disagrees with its data or exceeds the file's
+            budget (:func:`check_declared_sizes`).
+    """
+    if not Path(path).is_file():
+        raise ExportError(f"{path} does not exist")
+    model = check_external_data(Path(path))
+    check_declared_sizes(model, Path(path))
+    result = inspect(model) if inspect is not None else None
+    del model
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # DecodeError, ValidationError, OSError...
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    return result
+
+
+DECLARED_ALLOWANCE = 16 << 20  # bytes beyond the files' own sizes that declared tensors may take
+_PACKED_4BIT = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
+_SHAPED_NODES = {"ConstantOfShape": 0, "Expand": 1}  # op -> input holding the output's shape
+
+
+def _element_bytes(data_type: int) -> float:
+    if data_type in _PACKED_4BIT:
+        return 0.5
+    if data_type == onnx.TensorProto.STRING:
+        return 0.0  # strings are counted by the bytes they hold
+    try:
+        return float(np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
+    except Exception as e:  # KeyError/TypeError/ValueError: a data type onnx does not know
+        raise DeclaredSizeError(f"unknown tensor data type {data_type}") from e
+
+
+def _elements(dims) -> int:
+    count = 1
+    for d in dims:
+        if d < 0:
+            raise DeclaredSizeError(f"negative dimension {d}")
+        count *= int(d)
+    return count
+
+
+def _tensor_bytes(tensor: "onnx.TensorProto", where: str, data_sizes: Mapping[str, int]) -> int:
+    """The bytes ``tensor`` declares (dims x element size), checked against the data it holds."""
+    try:
+        count = _elements(tensor.dims)
+        size = _element_bytes(tensor.data_type)
+    except DeclaredSizeError as e:
+        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r}: {e}") from None
+    declared = int(np.ceil(count * size))
+    held, what = None, ""
+    if tensor.data_type == onnx.TensorProto.STRING:
+        if len(tensor.string_data) != count:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {count} strings (dims "
+                                    f"{list(tensor.dims)}) but holds {len(tensor.string_data)}")
+        return sum(len(v) for v in tensor.string_data)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in tensor.external_data}
+        try:
+            offset, length = int(info.get("offset", 0)), info.get("length")
+            length = None if length is None else int(length)
+        except ValueError:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} has a malformed external data "
+                                    "offset or length") from None
+        available = data_sizes.get(info.get("location", ""), 0) - offset
+        held, what = (available if length is None else length), "bytes of external data"
+        if length is not None and length > available:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} reads {length} bytes at offset {offset}, "
+                                    f"beyond the end of {info.get('location')!r}")
+        mismatch = held < declared if length is None else held != declared  # without a length: the rest of the file
+        if mismatch:
+            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
+                                    f"{list(tensor.dims)}) but has {held} {what}")
+        return declared
+    if tensor.HasField("raw_data"):
+        held, what = len(tensor.raw_data), "bytes of raw data"
+        expected = declared
+    else:
+        fields = [f for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+                  if len(getattr(tensor, f))]
+        held = sum(len(getattr(tensor, f)) for f in fields)
+        what = f"values in {'/'.join(fields) or 'no data field'}"
+        expected = count
+        if tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+            expected = 2 * count
+        elif tensor.data_type in _PACKED_4BIT:
+            expected = (count + 1) // 2
+    if held != expected:
+        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
+                                f"{list(tensor.dims)}) but holds {held} {what}")
+    return declared
+
+
+def _walk_graph(graph: "onnx.GraphProto", where: str, visit_tensor, visit_sparse, visit_node) -> None:
+    for tensor in graph.initializer:
+        visit_tensor(tensor, f"{where} initializer")
+    for sparse in graph.sparse_initializer:
+        visit_sparse(sparse, f"{where} sparse initializer")
+    _walk_nodes(graph.node, where, visit_tensor, visit_sparse, visit_node)
+
+
+def _walk_nodes(nodes, where: str, visit_tensor, visit_sparse, visit_node) -> None:
+    A = onnx.AttributeProto
+    for node in nodes:
+        at = f"{where} node {node.name or node.op_type!r}"
+        visit_node(node, at)
+        for attr in node.attribute:
+            label = f"{at} attribute {attr.name!r}"
+            if attr.type == A.TENSOR or attr.HasField("t"):
+                visit_tensor(attr.t, label)
+            for t in attr.tensors:
+                visit_tensor(t, label)
+            if attr.type == A.SPARSE_TENSOR or attr.HasField("sparse_tensor"):
+                visit_sparse(attr.sparse_tensor, label)
+            for t in attr.sparse_tensors:
+                visit_sparse(t, label)
+            if attr.type == A.GRAPH or attr.HasField("g"):
+                _walk_graph(attr.g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
+            for g in attr.graphs:
+                _walk_graph(g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
+
+
+def check_declared_sizes(model: "onnx.ModelProto", path: Path, allowance: int = DECLARED_ALLOWANCE) -> int:
+    """Check the sizes every tensor of ``model`` declares, before any runtime materialises them;
+    returns the bytes they declare together.
+
+    Every initializer, sparse initializer and tensor attribute (``Constant`` values and the like)
+    of the main graph, of every subgraph (``Loop``/``If``/``Scan`` bodies) and of every function is
+    counted at its declared size, dims x element size (a sparse tensor at its dense size, as a
+    runtime expands it). Each tensor's data must match its dims, and the total may not exceed the
+    model file's size plus its external data files' sizes plus ``allowance`` bytes. The shape a
+    ``ConstantOfShape`` or ``Expand`` node is given as a constant is held to the same budget.
+    ``model`` is parsed without its external data (their files' sizes are read, not their bytes).
+
+    Raises:
+        DeclaredSizeError: naming the tensor (or node), its declared size and the budget.
+    """
+    budget = _SizeBudget(model, path, allowance)
+    _walk_graph(model.graph, "main graph", budget.visit_tensor, budget.visit_sparse, budget.visit_node)
+    for function in model.functions:
+        _walk_nodes(function.node, f"function {function.name!r}", budget.visit_tensor, budget.visit_sparse,
+                    budget.visit_node)
+    budget.check_shaped()
+    return budget.total
+
+
+class _SizeBudget:
+    """What :func:`check_declared_sizes` counts as it walks a model: the total declared, the small
+    int64 constants that may be shapes, and the nodes whose output size such a shape sets."""
+
+    def __init__(self, model, path: Path, allowance: int):
+        self.path, self.allowance = path, allowance
+        self.data_sizes: dict[str, int] = {}
+        for tensor in _all_tensor_protos(model):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+                if location and location not in self.data_sizes:
+                    self.data_sizes[location] = (path.parent / location).stat().st_size
+        self.budget = path.stat().st_size + allowance + sum(self.data_sizes.values())
+        self.total = 0
+        self.constants: dict[str, "onnx.TensorProto"] = {}
+        self.shaped: list[tuple[Any, str]] = []
+
+    def refuse(self, name: str, where: str, size: int, what: str) -> None:
+        raise DeclaredSizeError(f"{self.path}: {where}: {what} {name!r} declares {size} bytes, beyond the "
+                                f"{self.budget} bytes this model's files can account for (their size plus "
+                                f"{self.allowance >> 20} MiB); refusing to load it")
+
+    def visit_tensor(self, tensor, where: str) -> None:
+        try:
+            size = _tensor_bytes(tensor, where, self.data_sizes)
+        except DeclaredSizeError as e:
+            raise DeclaredSizeError(f"{self.path}: {e}; refusing to load it") from None
+        self.total += size
+        if self.total > self.budget:
+            self.refuse(tensor.name, where, size, "tensor")
+        if tensor.name and len(tensor.dims) <= 1 and tensor.data_type == onnx.TensorProto.INT64 and size <= 1024:
+            self.constants[tensor.name] = tensor
+
+    def visit_sparse(self, sparse, where: str) -> None:
+        self.visit_tensor(sparse.values, f"{where} values")
+        self.visit_tensor(sparse.indices, f"{where} indices")
+        try:
+            dense = int(np.ceil(_elements(sparse.dims) * _element_bytes(sparse.values.data_type)))
+        except DeclaredSizeError as e:
+            raise DeclaredSizeError(f"{self.path}: {where}: sparse tensor {sparse.values.name!r}: {e}") from None
+        self.total += dense
+        if self.total > self.budget:
+            self.refuse(sparse.values.name, where, dense, "sparse tensor")
+
+    def visit_node(self, node, where: str) -> None:
+        if node.op_type == "Constant" and node.output:  # small int64 constants may be shapes
+            for attr in node.attribute:
+                value = None
+                if attr.name == "value" and attr.t.data_type == onnx.TensorProto.INT64 and attr.t.ByteSize() <= 1024:
+                    value = numpy_helper.to_array(attr.t)
+                elif attr.name == "value_ints" and len(attr.ints) <= 64:
+                    value = np.asarray(attr.ints, np.int64)
+                if value is not None:
+                    self.constants.setdefault(node.output[0], numpy_helper.from_array(value, node.output[0]))
+        if node.op_type in _SHAPED_NODES and node.domain in ("", "ai.onnx"):
+            self.shaped.append((node, where))
+
+    def check_shaped(self) -> None:
+        """``ConstantOfShape``/``Expand`` outputs of constant shapes, held to the budget."""
+        for node, where in self.shaped:
+            index = _SHAPED_NODES[node.op_type]
+            shape = self.constants.get(node.input[index]) if len(node.input) > index else None
+            if shape is None:
+                continue
+            dims = [int(d) for d in numpy_helper.to_array(shape).reshape(-1)]
+            element = 4.0
+            if node.op_type == "ConstantOfShape":
+                value = next((a.t for a in node.attribute if a.name == "value"), None)
+                element = _element_bytes(value.data_type) if value is not None else 4.0
+            elif node.input[0] in self.constants:
+                element = _element_bytes(self.constants[node.input[0]].data_type)
+            size = int(np.ceil(_elements(max(d, 0) for d in dims) * element))
+            if size > self.budget:
+                self.refuse(node.output[0] if node.output else node.op_type, where, size, f"{node.op_type} output")
+
+
+def _all_tensor_protos(model: "onnx.ModelProto"):
+    """Every TensorProto of ``model`` (initializers, sparse tensors' parts, attributes, subgraphs, functions)."""
+    found = []
+
+    def tensor(t, _where):
+        found.append(t)
+
+    def sparse(s, _where):
+        found.extend((s.values, s.indices))
+
+    _walk_graph(model.graph, "", tensor, sparse, lambda n, w: None)
+    for function in model.functions:
+        _walk_nodes(function.node, "", tensor, sparse, lambda n, w: None)
+    return found
+
+
+def check_external_data(path: Path):
+    """Every external data file the model names must be a plain file name beside it (no path
+    separators, no ``..``) that exists as a regular file; checked before anything reads it.
+
+    Raises:
+        ExportError: the model cannot be parsed, or names external data elsewhere or missing.
+    """
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # DecodeError and friends
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not location or location != Path(location).name or location in (".", ".."):
+            raise ExportError(f"{path}: tensor {tensor.name!r} keeps its data at {location!r}, not in a file "
+                              "beside the model; refusing to read it")
+        data = path.parent / location
+        if data.is_symlink() or not data.is_file():
+            raise ExportError(f"{path}: external data file {location} of tensor {tensor.name!r} is missing "
+                              "or not a regular file")
+    return model
+
+
+def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
+                      optimization: str = "all", provider_options: list[dict[str, str]] | None = None,
+                      prepack: bool = True):
+    """An ``onnxruntime.InferenceSession`` for an exported model, with the options that matter.
+
+    ``threads``: intra- and inter-op threads (``1`` gives the lowest latency for small policies
+    at small batches; ``None`` keeps ONNX Runtime's default, one per core). ``optimization``:
+    ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (graph optimisation level).
+    ``provider_options``: one dict per provider (e.g. ``DevicePlan.ort_provider_options()``, which
+    pins the CUDA provider's ``use_tf32``). ``prepack=False`` keeps ONNX Runtime from holding a
+    prepacked second copy of the weights.
+
+    Raises:
+        ExportError: an unknown optimisation level, or a file ONNX Runtime cannot load.
+    """
+    import onnxruntime as ort
+
+    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    if optimization not in levels:
+        raise ExportError(f"unknown optimisation level {optimization!r}; choose {', '.join(levels)}")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = levels[optimization]
+    if not prepack:  # prepacked weights are a second copy of them: parity trades a little speed for memory
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = threads
+    try:
+        providers = providers or ["CPUExecutionProvider"]
+        if provider_options is not None:
+            return ort.InferenceSession(str(path), options, providers=providers, provider_options=provider_options)
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
+
+
+def ort_run(runner: Runner, session, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """``session.run(names, feeds)`` as a stoppable call of ``runner`` (:meth:`Runner.stoppable`):
+    at the run limit or on a signal the run's own ``RunOptions.terminate`` is set, which ONNX
+    Runtime checks between kernels and in every ``Loop``/``Scan`` iteration.
+
+    Raises:
+        RunTimeoutError: the run took longer than the run limit.
+        KeyboardInterrupt: a signal arrived meanwhile.
+    """
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = 4  # a terminated run is reported by the exception alone
+
+    def stop() -> None:
+        options.terminate = True
+
+    return runner.stoppable(lambda: session.run(names, feeds, options), stop)
+
+
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint8)": "uint8", "tensor(uint16)": "uint16", "tensor(bool)": "bool"}
+
+
+def _ort_meta(arg, nchw: bool = False) -> TensorMeta:
+    shape = tuple(d if isinstance(d, int) else None for d in arg.shape) if arg.shape is not None else None
+    if nchw and shape is not None and len(shape) == 4:  # the runner takes the signature's NHWC layout
+        shape = (shape[0], shape[2], shape[3], shape[1])
+    return TensorMeta(arg.name, _ORT_TYPES.get(arg.type), shape)
+
+
+class OnnxRunner(Runner):
+    """ONNX Runtime session over a model file; runs by key, feeding only what is given.
+
+    ``inputs`` lists the graph inputs and the optional inputs ONNX Runtime holds as overridable
+    initializers. Feeds are taken in the signature's layout (NHWC); inputs the model takes as NCHW
+    are transposed on the way in.
+    """
+
+    def __init__(self, path: Path, device: DevicePlan, threads: int | None = None, contract: Contract | None = None):
+        from policy_export.exporter.formats.onnx.convert import head_model
+        from policy_export.signatures.keys import ACTION_DIST_INPUTS
+
+        # the action head is cut while the file is parsed for its checks (not beside the session)
+        self._head = check_file(path, lambda model: head_model(model, ACTION_DIST_INPUTS))
+        self.path = Path(path)
+        self.label = f"ONNX model {path}"
+        self.contract = contract
+        self.session = inference_session(path, list(device.ort_providers), threads,
+                                         provider_options=device.ort_provider_options(), prepack=False)
+        self.provider_options = self.session.get_provider_options()
+        self.providers = self.session.get_providers()
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.nchw = set(jsonio.loads(meta.get(LAYOUT_METADATA, "[]"), f"{path} metadata {LAYOUT_METADATA!r}"))
+        declared = [*self.session.get_inputs(), *self.session.get_overridable_initializers()]
+        self.inputs = {a.name: _ort_meta(a, a.name in self.nchw) for a in declared}
+        self.outputs = {a.name: _ort_meta(a) for a in self.session.get_outputs()}
+        self.output_names = list(self.outputs)
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = dict(feeds)
+        for key in self.nchw & arrays.keys():
+            arrays[key] = np.ascontiguousarray(arrays[key].transpose(0, 3, 1, 2))
+        return dict(zip(self.output_names, ort_run(self, self.session, self.output_names, arrays)))
+
+    def device_info(self) -> dict[str, Any]:
+        return {"onnxruntime_providers_used": list(self.providers)}
+
+    def head(self):
+        """The model cut at ``action_dist_inputs`` (:func:`exporter.formats.onnx.convert.head_model`), in its
+        own small ONNX Runtime session; ``None`` when it cannot be cut there."""
+        cut = self._head
+        if cut is None:
+            return None
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(cut.SerializeToString(), options, providers=self.providers,
+                                       provider_options=[self.provider_options.get(p, {}) for p in self.providers])
+        names = [o.name for o in session.get_outputs()]
+        return lambda feeds: dict(zip(names, ort_run(self, session, names, {k: np.asarray(v) for k, v in feeds.items()})))
+
+    def _close(self) -> None:
+        del self.session

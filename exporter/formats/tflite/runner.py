@@ -1,0 +1,107 @@
+"""Run a ``.tflite`` export by signature key: the standalone LiteRT interpreter
+(``ai_edge_litert``) where it is installed, TensorFlow's ``tf.lite.Interpreter`` otherwise.
+
+TFLite has no optional inputs: every input of the ``serving_default`` signature must be fed on
+every call. The runner feeds the contract's default for an optional input the caller leaves out
+(``explore``, ``is_training``, ``timestep``), so a client of this runner feeds what it feeds
+every other format. Inputs the model no longer holds (pruned when the graph was frozen) may be
+fed and change nothing; an optional input that was fixed to its default at conversion (a model
+that does not explore) may be fed only its default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policy_export.exporter.formats.tflite.convert import SIGNATURE_KEY, check_tflite_file
+from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.errors import ExportError, InputError
+from policy_export.signatures.contract import Contract
+
+
+def interpreter_class() -> tuple[Any, str]:
+    """The interpreter class and its origin: ``ai_edge_litert`` if importable, else ``tf.lite``."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+
+        return Interpreter, "ai_edge_litert"
+    except ImportError:
+        import tensorflow as tf
+
+        return tf.lite.Interpreter, "tensorflow.lite"
+
+
+def _meta(key: str, detail: Mapping[str, Any]) -> TensorMeta:
+    shape = detail.get("shape_signature")
+    if shape is None:
+        shape = detail.get("shape")
+    dims = tuple(None if int(d) < 0 else int(d) for d in shape) if shape is not None else None
+    return TensorMeta(key, np.dtype(detail["dtype"]).name, dims)
+
+
+class TFLiteRunner(Runner):
+    """A TFLite interpreter over one model file, run through its ``serving_default`` signature."""
+
+    def __init__(self, path: Path, contract: Contract | None = None, fixed_inputs=(), threads: int | None = 1,
+                 interpreter: str = "auto"):
+        check_tflite_file(path)
+        self.label = f"TFLite model {path}"
+        self.contract = contract
+        if interpreter == "auto":
+            cls, self.interpreter_name = interpreter_class()
+        elif interpreter == "tensorflow.lite":
+            import tensorflow as tf
+
+            cls, self.interpreter_name = tf.lite.Interpreter, interpreter
+        else:
+            from ai_edge_litert.interpreter import Interpreter as cls
+
+            self.interpreter_name = "ai_edge_litert"
+        try:
+            self.interpreter = cls(model_path=str(path), num_threads=threads)
+            signatures = self.interpreter.get_signature_list()
+            if SIGNATURE_KEY not in signatures:
+                raise ExportError(f"{path} has no {SIGNATURE_KEY!r} signature (it has {sorted(signatures)})")
+            self.signature = self.interpreter.get_signature_runner(SIGNATURE_KEY)
+        except ExportError:
+            raise
+        except Exception as e:  # the interpreter raises ValueError / RuntimeError on a bad model
+            raise ExportError(f"{self.label} does not load: {type(e).__name__}: {e}") from e
+        self.inputs = {k: _meta(k, d) for k, d in self.signature.get_input_details().items()}
+        self.outputs = {k: _meta(k, d) for k, d in self.signature.get_output_details().items()}
+        self.fixed = frozenset(fixed_inputs)
+        known = set(contract.input_keys) if contract is not None else set()
+        self.accepted = frozenset(known - set(self.inputs))
+        self.defaults = {s.key: np.asarray(s.default, np.dtype(s.dtype))
+                         for s in (contract.inputs if contract is not None else ()) if not s.required}
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for key in self.fixed & feeds.keys():
+            if key in self.defaults and not np.array_equal(feeds[key], self.defaults[key]):
+                raise InputError(f"{self.label}: input {key!r} was fixed to its default {self.defaults[key].tolist()!r} "
+                                 "when the model was converted (this model serves the deterministic path alone)")
+        arrays = {}
+        for key, meta in self.inputs.items():
+            if key in feeds:
+                value = feeds[key]
+            elif key in self.defaults:
+                value = self.defaults[key]
+            else:
+                raise InputError(f"{self.label}: required input {key!r} is missing")
+            arrays[key] = np.ascontiguousarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None)
+        # the interpreter cannot be told to stop: at the run limit or on a signal its call is left
+        # to finish in a background thread (the runner is then never closed or run again)
+        signature = self.signature
+        values = self.stoppable(lambda: signature(**arrays))
+        return {k: np.array(v, copy=True) for k, v in values.items()}
+
+    def device_info(self) -> dict[str, Any]:
+        return {"tflite_interpreter": self.interpreter_name}
+
+    def _close(self) -> None:
+        self.signature = None
+        self.interpreter = None
