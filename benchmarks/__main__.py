@@ -61,9 +61,9 @@ def bench_policy(spec_path: Path, work: Path) -> dict:
     import onnx
 
     from benchmarks.minimal import minimal_mlp
-    from policy_export.exporter.onnx_model import inference_session
+    from policy_export.exporter.formats.onnx.model import inference_session
     from policy_export.exporter import export_spec
-    from policy_export.exporter.parity import sample_observations
+    from policy_export.exporter.parity.compare import sample_observations
     from policy_export.policy import TFPolicy, load_spec
 
     spec = load_spec(spec_path)

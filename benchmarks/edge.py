@@ -23,7 +23,7 @@ BASELINE = "onnx_deterministic"
 
 
 def _runner(fmt, out: Path, doc, device):
-    from policy_export.exporter.onnx_model import OnnxRunner
+    from policy_export.exporter.formats.onnx.model import OnnxRunner
     from policy_export.signatures.contract import Contract
 
     if fmt.capabilities.onnx or fmt.name.startswith("onnx"):  # one thread for every runtime
@@ -36,7 +36,7 @@ def bench_fixture(name: str, work: Path) -> dict:
     from policy_export.exporter import export_spec
     from policy_export.exporter import formats as registry
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.parity import sample_inputs
+    from policy_export.exporter.parity.compare import sample_inputs
     from policy_export.signatures.contract import Contract
 
     out = work / name

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from policy_export.exporter.defaults import DEFAULT_ALPHA, DEFAULT_EXPLORE_SAMPLES, DEFAULT_OBSERVATIONS
-from policy_export.exporter.exploration import chi_square_homogeneity, ks_two_sample
+from policy_export.exporter.parity.exploration import chi_square_homogeneity, ks_two_sample
 
 TRIALS = 200
 
