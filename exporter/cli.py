@@ -48,6 +48,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
 
+def console_main() -> int:
+    """The console script and ``python -m policy_export``: :func:`main`, then signals ignored while
+    the interpreter shuts down. The outcome is decided once :func:`main` returns (an export in
+    place is complete, exit 0); a signal during the shutdown (TensorFlow's destructors can take a
+    while) must not turn that into a death by signal."""
+    code = main()
+    import signal
+
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    return code
+
+
 def _interrupted(signum: int | None) -> int:
     import signal
 

@@ -122,7 +122,7 @@ def cmd_export(args, console) -> int:
                          run_timeout=args.run_timeout, **_behaviour_option(args))
     _check_report_paths(args, args.out)
     spec = load_spec(args.spec)  # parsed once: the export builds its policy from this spec
-    opts.check_policy(spec.observation_space, ())
+    opts.check_policy(spec.observation_space)
     check_target(Path(args.out).absolute(), args.overwrite)
     _heavy_imports(args)
 
@@ -289,7 +289,7 @@ def cmd_convert(args, console) -> int:
     spaces = {name: _space_option(getattr(args, name), f"--{name.replace('_', '-')}")
               for name in ("observation_space", "action_space")}
     if spaces["observation_space"] is not None:  # else known only once the model is read
-        opts.check_policy(spaces["observation_space"], ())
+        opts.check_policy(spaces["observation_space"])
     _heavy_imports(args)
     from policy_export.exporter.convert import convert_saved_model
     from policy_export.exporter.reports import parity_table

@@ -101,7 +101,7 @@ def export_spec(spec, out: str | Path, options: ExportOptions | None = None, **k
     opts = ExportOptions.make(options, keywords)
     plan = plan_devices(opts.device)
     spec = spec if isinstance(spec, PolicySpec) else load_spec(spec)
-    opts.check_policy(spec.observation_space, ())
+    opts.check_policy(spec.observation_space)
     check_target(Path(out).absolute(), opts.overwrite)
     start = time.perf_counter()
     with (opts.progress or SILENT).stage("graph build"):

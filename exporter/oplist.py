@@ -39,7 +39,7 @@ ALLOWED_OPS = frozenset({
     # TF1 control flow (tf.cond / tf.while_loop in graph mode)
     "Enter", "Exit", "LoopCond", "Merge", "NextIteration", "Switch",
     # variables (resource and reference) and their initialisation
-    "VarHandleOp", "ReadVariableOp", "AssignVariableOp", "VarIsInitializedOp", "DisableCopyOnRead",
+    "VarHandleOp", "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "VarIsInitializedOp", "DisableCopyOnRead",
     "VariableV2", "Assign", "IsVariableInitialized",
     # checkpoint file names (pure string computation for the saver; the file ops are checked apart)
     "ShardedFilename", "StringJoin", "StaticRegexFullMatch",

@@ -42,8 +42,8 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     if formats is None:
         return registry.default_names()
     if isinstance(formats, str) or not formats:
-        raise InputError("formats is empty or not a list; name at least one format, or leave formats out for the "
-                         "defaults")
+        raise InputError("formats (--formats) is empty or not a list; name at least one format, or leave it out "
+                         "for the defaults")
     unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown:
         raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
@@ -131,15 +131,15 @@ class ExportOptions:
         """``options`` as given, or made from ``keywords`` (not both)."""
         return _make(cls, options, keywords)
 
-    def check_policy(self, observation_space, output_keys: Sequence[str]) -> None:
+    def check_policy(self, observation_space, output_keys: Sequence[str] | None = None) -> None:
         """The checks that need the policy: sample budgets of its observation space, tolerance keys
-        of its outputs."""
+        of its outputs (when known: ``None`` before the policy is built)."""
         check_sample_budget(self.samples, observation_space, "samples (--samples)")
         if self.explore_samples:
             check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
                                 f"explore_samples (--explore-samples) {self.explore_samples} x "
                                 f"{DEFAULT_OBSERVATIONS} observations:")
-        if self.tolerances is not None:
+        if self.tolerances is not None and output_keys is not None:
             check_tolerance_keys(self.tolerances, output_keys)
 
 

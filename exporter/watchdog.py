@@ -39,7 +39,7 @@ POLL = 0.05  # seconds between checks of the waiting thread (signal handlers run
 _limit: contextvars.ContextVar[float] = contextvars.ContextVar("policy_export_run_timeout", default=DEFAULT_RUN_TIMEOUT)
 
 
-def check_run_timeout(seconds: float | None, option: str = "run_timeout") -> float:
+def check_run_timeout(seconds: float | None, option: str = "run_timeout (--run-timeout)") -> float:
     """``seconds`` as a run limit (``None``: the current one, by default :data:`DEFAULT_RUN_TIMEOUT`).
 
     Raises:

@@ -2,6 +2,6 @@
 
 import sys
 
-from policy_export.exporter.cli import main
+from policy_export.exporter.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

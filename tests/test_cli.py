@@ -1,4 +1,9 @@
-"""The ``policy-export`` console script end to end, in subprocesses, as CI would call it."""
+"""The ``policy-export`` command line end to end, as CI would call it.
+
+:func:`cli` runs the command in-process (its behaviour: exit code, stdout, stderr) unless a test
+needs what only a process shows (library noise on the real stderr, a working directory, an
+environment): ``isolated=True``, ``cwd`` or ``env_extra`` run the console script in a subprocess.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +23,35 @@ SCRIPT = Path(sys.executable).parent / "policy-export"
 NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback", "oneDNN")
 
 
-def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None,
+        isolated: bool = False) -> subprocess.CompletedProcess:
+    if not (isolated or cwd or env_extra):
+        return _in_process(args)
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
     env.update(env_extra or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def _in_process(args) -> subprocess.CompletedProcess:
+    """``policy-export ARGS`` run by :func:`policy_export.exporter.cli.main` in this process, its
+    stdout and stderr captured (as text, as a subprocess's would be)."""
+    import contextlib
+    import io
+
+    from policy_export.exporter.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.pop(k) for k in ("GITHUB_STEP_SUMMARY",) if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: usage errors and --help
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["policy-export", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_quiet(stderr: str) -> None:
@@ -35,7 +64,7 @@ def exported(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "cartpole"
     junit = out.parent / "export.xml"
     proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(out), "--samples", "300",
-               "--junit", str(junit), "--report-json", str(out.parent / "export.json"))
+               "--junit", str(junit), "--report-json", str(out.parent / "export.json"), isolated=True)
     assert proc.returncode == 0, proc.stderr
     assert_quiet(proc.stderr)
     assert "onnx" in proc.stdout and "pass" in proc.stdout and "FAIL" not in proc.stdout
@@ -81,7 +110,7 @@ def test_tampered_export_fails_verify_naming_the_file(exported, tmp_path):
 
 
 def test_existing_output_is_exit_2_without_traceback(exported):
-    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(exported))
+    proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(exported), isolated=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--overwrite" in proc.stderr
     assert_quiet(proc.stderr)

@@ -173,11 +173,12 @@ def test_verify_checks_a_swapped_onnx_file_before_loading(tmp_path, exports):
 
 def test_unexpected_errors_point_to_debug(tmp_path, monkeypatch):
     from policy_export.exporter import cli as cli_module
+    from policy_export.exporter import commands
 
     def boom(*args, **kwargs):
         raise ZeroDivisionError("simulated bug")
 
-    monkeypatch.setattr(cli_module, "_cmd_verify", boom)
+    monkeypatch.setattr(commands, "cmd_verify", boom)
     assert cli_module.main(["verify", str(tmp_path)]) == 3
 
 
@@ -314,7 +315,7 @@ def test_export_directory_mode_follows_the_umask(tmp_path):
 @pytest.mark.parametrize("args, fragment", [
     (["--atol", "nan"], "atol must be a finite number"),
     (["--rtol", "-1"], "rtol must be a finite number"),
-    (["--seed", "-1"], "--seed must be in"),
+    (["--seed", "-1"], "seed (--seed) must be at least 0, got -1"),
     (["--junit", "/nonexistent/dir/j.xml"], "does not exist"),
 ])
 def test_more_bad_cli_input_is_exit_2(args, fragment, tmp_path):

@@ -99,9 +99,9 @@ def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
         capabilities = base.Capabilities(reference=True, needs_frozen_graph=True)
 
         def write(self, ctx, target):
-            from policy_export.exporter import tfgraph as frozen_graph
+            from policy_export.exporter.formats.frozen_graph import write_frozen_graph
 
-            record = frozen_graph.write(ctx, target)
+            record = write_frozen_graph(ctx, target)
             return type(record)(self.name, record.files, record.details)
 
         def open(self, path, manifest, device):

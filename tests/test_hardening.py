@@ -647,8 +647,8 @@ def test_bad_options_and_paths_are_exit_2_before_anything_is_written(tmp_path, e
     out = tmp_path / "out"
     (tmp_path / "keep").mkdir()
     before = snapshot(tmp_path)
-    one_line_error(cli("export", spec, "--out", str(out), "--formats", ""), 2, "--formats is empty")
-    one_line_error(cli("export", spec, "--out", str(out), "--formats", " , "), 2, "--formats is empty")
+    one_line_error(cli("export", spec, "--out", str(out), "--formats", ""), 2, "formats (--formats) is empty")
+    one_line_error(cli("export", spec, "--out", str(out), "--formats", " , "), 2, "formats (--formats) is empty")
     one_line_error(cli("export", spec, "--out", str(tmp_path / "keep" / ".."), "--overwrite"), 2,
                    "holds no valid policy-export manifest")
     one_line_error(cli("export", spec, "--out", str(out), "--report-json", str(tmp_path / "keep")), 2,
@@ -659,7 +659,7 @@ def test_bad_options_and_paths_are_exit_2_before_anything_is_written(tmp_path, e
                        env_extra={"GITHUB_STEP_SUMMARY": str(tmp_path / "nodir" / "s.md")}), 2, "GITHUB_STEP_SUMMARY")
     assert snapshot(tmp_path) == before
     _, export = exports("cartpole_mlp")
-    one_line_error(cli("verify", str(export), "--tolerance", "no_such_output=1e-3"), 2, "is not an output")
+    one_line_error(cli("verify", str(export), "--tolerance", "no_such_output=1e-3"), 2, "unknown output(s) ['no_such_output']")
     one_line_error(cli("verify", str(export), "--report-json", str(export / "r.json")), 2, "inside the export")
     assert not (export / "r.json").exists()
 

@@ -14,7 +14,7 @@ def test_every_installed_package_lives_under_policy_export():
     packages = config["tool"]["setuptools"]["packages"]
     assert packages[0] == "policy_export"
     assert all(p == "policy_export" or p.startswith("policy_export.") for p in packages)
-    assert config["project"]["scripts"]["policy-export"] == "policy_export.exporter.cli:main"
+    assert config["project"]["scripts"]["policy-export"] == "policy_export.exporter.cli:console_main"
 
 
 def test_every_source_package_is_installed():

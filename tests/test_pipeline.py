@@ -7,7 +7,6 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -24,66 +23,36 @@ from test_cli import cli
 tf1 = tf.compat.v1
 
 
-def rllib_style_saved_model(path: Path, recurrent: bool, out_names=("lstm/Exit_3", "lstm/Exit_4")) -> Path:
-    """A SavedModel shaped like RLlib's export_policy_model: raw tensor names as state keys."""
-    graph = tf.Graph()
-    rng = np.random.default_rng(3)
-    with graph.as_default(), tf1.variable_scope("default_policy"):
-        obs = tf1.placeholder(tf.float32, (None, 4), name="observation")
-        is_training = tf1.placeholder_with_default(False, (), name="is_training")
-        timestep = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
-        prev_action = tf1.placeholder(tf.int64, (None,), name="prev_action")
-        prev_reward = tf1.placeholder(tf.float32, (None,), name="prev_reward")
-        w = tf1.get_variable("w", initializer=rng.normal(size=(4, 8)).astype(np.float32))
-        x = tf.tanh(tf.matmul(obs, w) + 0.1 * tf.expand_dims(prev_reward, -1)
-                    + 0.1 * tf.one_hot(prev_action, 8))
-        inputs = {"observations": obs, "is_training": is_training, "timestep": timestep,
-                  "prev_action": prev_action, "prev_reward": prev_reward}
-        outputs = {}
-        if recurrent:
-            seq_lens = tf1.placeholder(tf.int32, (None,), name="seq_lens")
-            h = tf1.placeholder(tf.float32, (None, 8), name="Placeholder")
-            c = tf1.placeholder(tf.float32, (None, 8), name="Placeholder_1")
-            u = tf1.get_variable("u", initializer=rng.normal(size=(8, 8)).astype(np.float32) * 0.3)
-            c_new = tf.identity(0.5 * c + 0.5 * tf.tanh(x + tf.matmul(h, u)), name=out_names[1])
-            h_new = tf.identity(tf.tanh(c_new), name=out_names[0])
-            x = h_new
-            inputs.update({"seq_lens": seq_lens, h.name: h, c.name: c})
-            outputs.update({h_new.name: h_new, c_new.name: c_new})
-        v = tf1.get_variable("v", initializer=rng.normal(size=(8, 3)).astype(np.float32))
-        logits = tf.matmul(x, v, name="logits")
-        action = tf.argmax(logits, axis=1)
-        logp = tf.reduce_max(tf.nn.log_softmax(logits), axis=1)
-        value = tf.reduce_sum(x, axis=1, name="value")
-        outputs.update({"actions_0": action, "action_dist_inputs": logits, "action_logp": logp,
-                        "action_prob": tf.exp(logp), "vf_preds": value})
-        sess = tf1.Session(graph=graph)
-        sess.run(tf1.global_variables_initializer())
-        build = tf1.saved_model.utils.build_tensor_info
-        sig = tf1.saved_model.signature_def_utils.build_signature_def(
-            {k: build(t) for k, t in inputs.items()}, {k: build(t) for k, t in outputs.items()},
-            tf1.saved_model.signature_constants.PREDICT_METHOD_NAME)
-        builder = tf1.saved_model.Builder(str(path))
-        builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
-        builder.save()
-    return path
+LEGACY = FIXTURES_DIR / "rllib" / "legacy"
 
 
-@pytest.mark.parametrize("recurrent", [False, True])
-def test_convert_rllib_style_saved_model(recurrent, tmp_path):
-    src = rllib_style_saved_model(tmp_path / "rllib", recurrent)
-    result = convert_saved_model(src, tmp_path / "out", device="cpu", samples=200)
+def _signature_keys(model: Path) -> tuple[list[str], list[str]]:
+    """The raw input and output keys of the SavedModel's serving signature, as RLlib wrote them."""
+    from policy_export.exporter.trust import read_saved_model
+
+    sig = read_saved_model(model).meta_graphs[0].signature_def["serving_default"]
+    return sorted(sig.inputs), sorted(sig.outputs)
+
+
+@pytest.mark.parametrize("case", ["cartpole_ff", "lstm"])
+def test_convert_an_rllib_export_and_verify_it(case, tmp_path):
+    """RLlib's own export_model output: raw tensor names as state keys become clean contract keys."""
+    src = LEGACY / case / "saved_model"
+    raw_in, raw_out = _signature_keys(src)
+    result = convert_saved_model(src, tmp_path / "out", device="cpu", samples=50)
     keys_in = [i["key"] for i in result.manifest["contract"]["inputs"]]
     keys_out = [o["key"] for o in result.manifest["contract"]["outputs"]]
     assert not any(":" in k for k in keys_in + keys_out)
     mapping = result.manifest["source"]["key_mapping"]
-    if recurrent:
-        assert mapping == {"state_in_0": "default_policy/Placeholder:0", "state_in_1": "default_policy/Placeholder_1:0",
-                           "state_out_0": "default_policy/lstm/Exit_3:0", "state_out_1": "default_policy/lstm/Exit_4:0"}
+    state = {k: v for k, v in mapping.items() if k.startswith("state_")}
+    if case == "lstm":
+        expected = json.loads((LEGACY / case / "case.json").read_text())["state_keys"]
+        assert {k: state[k] for k in expected} == expected
+        assert {state["state_out_0"], state["state_out_1"]} <= set(raw_out)
         assert {"state_in_0", "state_in_1", "seq_lens"} <= set(keys_in)
         assert {"state_out_0", "state_out_1"} <= set(keys_out)
     else:
-        assert mapping == {}
+        assert state == {}
     assert "vf_preds" in keys_out
     records = {(r.format, r.key): r for r in result.parity.records}
     assert records[("onnx", "actions_0")].mismatches == 0
@@ -94,32 +63,33 @@ def test_convert_rllib_style_saved_model(recurrent, tmp_path):
     assert proc.returncode == 0, proc.stderr
     # and the original can be inspected as it is, raw keys and all
     kind, contract = contract_of(src)
-    assert kind == "saved_model"
-    assert ("default_policy/Placeholder:0" in contract.input_keys) == recurrent
+    assert kind == "saved_model" and sorted(contract.input_keys) == raw_in
 
 
 @pytest.mark.slow
 def test_convert_state_pairs_given_explicitly(tmp_path):
-    """Names whose natural order would pair h with c: the pairs are given on the command line."""
-    src = rllib_style_saved_model(tmp_path / "rllib", True, out_names=("lstm/state_h", "lstm/state_c"))
-    h_in, c_in = "default_policy/Placeholder:0", "default_policy/Placeholder_1:0"
-    h_out, c_out = "default_policy/lstm/state_h:0", "default_policy/lstm/state_c:0"
+    """The state pairs of RLlib's LSTM export given on the command line are the ones used."""
+    src = LEGACY / "lstm" / "saved_model"
+    natural = tmp_path / "natural"
+    assert cli("convert", str(src), "--out", str(natural), "--samples", "20", "-q").returncode == 0
+    mapping = json.loads((natural / "manifest.json").read_text())["source"]["key_mapping"]
+    pairs = [f"{mapping[f'state_in_{i}']}={mapping[f'state_out_{i}']}" for i in range(2)]
     out = tmp_path / "out"
-    proc = cli("convert", str(src), "--out", str(out), "--samples", "100",
-               "--state", f"{h_in}={h_out}", "--state", f"{c_in}={c_out}")
+    proc = cli("convert", str(src), "--out", str(out), "--samples", "20", "-q",
+               "--state", pairs[0], "--state", pairs[1])
     assert proc.returncode == 0, proc.stderr
-    mapping = json.loads((out / "manifest.json").read_text())["source"]["key_mapping"]
-    assert (mapping["state_out_0"], mapping["state_out_1"]) == (h_out, c_out)
-    proc = cli("convert", str(src), "--out", str(tmp_path / "x"), "--state", f"{h_in}=nope")
+    given = json.loads((out / "manifest.json").read_text())["source"]["key_mapping"]
+    assert {k: given[k] for k in mapping if k.startswith("state_")} == \
+        {k: v for k, v in mapping.items() if k.startswith("state_")}
+    proc = cli("convert", str(src), "--out", str(tmp_path / "x"), "--state", f"{mapping['state_in_0']}=nope")
     assert proc.returncode == 2 and "state pairs" in proc.stderr
 
 
 def test_convert_refuses_what_is_not_a_policy_saved_model(tmp_path):
     with pytest.raises(ExportError, match="not a SavedModel"):
         convert_saved_model(tmp_path, tmp_path / "out")
-    src = rllib_style_saved_model(tmp_path / "rllib", recurrent=False)
     with pytest.raises(ExportError, match="no signature 'nope'"):
-        load_saved_model_policy(src, signature_key="nope", device="cpu")
+        load_saved_model_policy(LEGACY / "cartpole_ff" / "saved_model", signature_key="nope", device="cpu")
 
 
 def _contract(inputs, outputs) -> Contract:

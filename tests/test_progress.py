@@ -102,7 +102,7 @@ def test_convert_prints_its_stages(tmp_path):
 def test_bad_input_is_one_line_and_no_progress(tmp_path):
     proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "out"), "--samples", "0")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["policy-export: error: --samples must be at least 1, got 0"]
+    assert proc.stderr.strip().splitlines() == ["policy-export: error: samples (--samples) must be at least 1, got 0"]
 
 
 class Recorder:

@@ -137,10 +137,10 @@ def test_rollout_of_trained_pendulum_passes_with_float_actions_within_tolerance(
 
 
 def test_rollout_reports_a_float_action_beyond_tolerance(exports, monkeypatch):
-    from policy_export.exporter import api
+    from policy_export.exporter import verify
 
     _, out = exports("pendulum_mlp")
-    real = api.load_runner
+    real = verify.load_runner
 
     def shifted(fmt, root, doc, plan):
         runner = real(fmt, root, doc, plan)
@@ -159,7 +159,7 @@ def test_rollout_reports_a_float_action_beyond_tolerance(exports, monkeypatch):
         runner._run = run
         return runner
 
-    monkeypatch.setattr(api, "load_runner", shifted)
+    monkeypatch.setattr(verify, "load_runner", shifted)
     report = rollout(out, "Pendulum-v1", episodes=2, seed=0, device="cpu")
     assert not report.passed
     assert report.episodes[0].first_divergence == {"onnx": 7}

@@ -129,7 +129,7 @@ def test_the_cli_takes_the_threshold(tmp_path):
 def test_exploration_draws_through_the_action_head_as_a_full_run_would(exports, monkeypatch):
     """ONNX Runtime seeds its random ops: the head, fed the network's output once per probe,
     returns exactly the samples the whole model returns for the repeated probes."""
-    from policy_export.exporter.parity.compare import exploration
+    from policy_export.exporter.parity import exploration
     from policy_export.exporter import formats
     from policy_export.exporter.devices import plan_devices
 

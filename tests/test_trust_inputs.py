@@ -258,13 +258,13 @@ def test_a_keras_op_layer_naming_a_file_writing_tf_function_is_refused_before_lo
 
 @pytest.mark.parametrize("factor, fails", [(3.0, True), (0.3, False)])
 def test_rollout_fails_a_float_action_off_by_a_few_times_its_tolerance(exports, monkeypatch, factor, fails):
-    from policy_export.exporter import api
+    from policy_export.exporter import verify
     from policy_export.exporter.parity.compare import Tolerances
     from policy_export.exporter.rollout import rollout
 
     _, out = exports("pendulum_mlp")
     tol = Tolerances.from_json(manifest.read_manifest(out)["tolerances"]).for_output("actions_0")
-    real = api.load_runner
+    real = verify.load_runner
 
     class Shifted:
         """The ONNX runner with its float action moved by ``factor`` times its tolerance."""
@@ -285,7 +285,7 @@ def test_rollout_fails_a_float_action_off_by_a_few_times_its_tolerance(exports, 
         runner = real(fmt, *args, **kwargs)
         return Shifted(runner) if fmt == "onnx" else runner
 
-    monkeypatch.setattr(api, "load_runner", load_runner)
+    monkeypatch.setattr(verify, "load_runner", load_runner)
     # one step each: later steps would compound the shift through the environment's dynamics
     report = rollout(out, "Pendulum-v1", episodes=3, max_steps=1, device="cpu", formats=["saved_model", "onnx"])
     assert report.passed is (not fails)

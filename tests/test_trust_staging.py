@@ -244,10 +244,10 @@ def test_a_kill_at_any_step_leaves_the_old_or_the_new_export_after_recovery(tmp_
 SIGNAL_SCRIPT = textwrap.dedent(r'''
     import json, os, shutil, signal, subprocess, sys
     from pathlib import Path
-    from policy_export.exporter import cli, manifest, staging
+    from policy_export.exporter import cli, commands, manifest, staging
 
     spec, old_src, base = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    real_write, real_emit, real_rmtree, real_rename = (manifest.write_manifest, cli._emit_reports,
+    real_write, real_emit, real_rmtree, real_rename = (manifest.write_manifest, commands._emit_reports,
                                                        shutil.rmtree, os.rename)
     SIG = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP}
 
@@ -260,7 +260,7 @@ SIGNAL_SCRIPT = textwrap.dedent(r'''
     def hooks(case):
         where, sig = case.split(":")[:2]
         sig = SIG[sig]
-        manifest.write_manifest, cli._emit_reports, shutil.rmtree, os.rename = (real_write, real_emit,
+        manifest.write_manifest, commands._emit_reports, shutil.rmtree, os.rename = (real_write, real_emit,
                                                                                   real_rmtree, real_rename)
         if where == "del":
             def write(*a, **k):
@@ -293,7 +293,7 @@ SIGNAL_SCRIPT = textwrap.dedent(r'''
                 signal.raise_signal(sig)
                 signal.raise_signal(signal.SIGINT)
                 return real_emit(*a, **k)
-            cli._emit_reports = emit
+            commands._emit_reports = emit
 
     cases = sys.argv[4:]
     results = []

@@ -443,4 +443,4 @@ def test_outputs_allowed_to_be_non_finite_are_recorded_and_checked(tmp_path, cap
     assert manifest.read_manifest(out)["tolerances"]["allow_non_finite"] == ["action_logp"]
     assert verify_export(out, device="cpu").passed
     code, _ = verify_cli(str(out), "--allow-non-finite", "nope", tmp_path=tmp_path)
-    assert code == 2 and "'nope' is not an output" in capsys.readouterr().err
+    assert code == 2 and "unknown output(s) ['nope']" in capsys.readouterr().err

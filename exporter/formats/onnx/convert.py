@@ -117,9 +117,6 @@ def little_endian(value: np.ndarray) -> np.ndarray:
     return value.astype(value.dtype.newbyteorder("<"), copy=False)
 
 
-from policy_export.exporter.tfgraph import NoSkeleton, skeleton  # noqa: E402
-
-
 def onnx_models(ctx) -> Converted:
     """Both ONNX models of the export, from one conversion (:func:`convert_both`) shared by every
     ONNX format written (kept in ``ctx`` until it is released)."""
@@ -163,6 +160,8 @@ def _convert(ctx, sig, outputs: Mapping[str, str]):
     """One tf2onnx conversion of ``outputs`` (tensor name -> converted name): of the skeleton, or of
     the frozen graph where the skeleton cannot stand for the graph or does not convert. Returns the
     model, the NCHW inputs, the route and the weight inputs (name -> session tensor)."""
+    from policy_export.exporter.tfgraph import NoSkeleton, skeleton
+
     try:
         graph_def, weights = skeleton(ctx.policy, sorted({n.split(":")[0] for n in outputs}))
     except NoSkeleton as e:
