@@ -319,13 +319,13 @@ def _rollout_formats(text: str | None) -> list[str] | None:
 
 def cmd_rollout(args, console) -> int:
     from policy_export.exporter.manifest import read_manifest
-    from policy_export.errors import InputError
 
     from policy_export.exporter.options import RolloutOptions, replace
 
     read_manifest(Path(args.out))
     opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_rollout_formats(args.formats),
                           return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
+    _check_report_paths(args, args.out)
     _heavy_imports(args)
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
@@ -335,8 +335,10 @@ def cmd_rollout(args, console) -> int:
     if args.report_json:
         try:
             write_json(args.report_json, report.to_json())
-        except OSError as e:
-            raise InputError(f"--report-json {args.report_json}: {e.strerror}") from e
+        except OSError as e:  # checked writable before the rollout: it changed meanwhile
+            from policy_export.errors import ExportError
+
+            raise ExportError(f"cannot write a report: {e}") from e
     if not report.passed:
         ref = report.reference
         failed = report.failed_formats()

@@ -31,9 +31,12 @@ checked, nor handed to TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -587,3 +590,67 @@ def _check_stateful(graph: _Graph, closure: _Closure, path: str, what: str, extr
         if op_def is not None and op_def.is_stateful:
             raise UnsafeModelError(path, node.op, _label(fn, node), f"is a stateful op in {what}, which may only "
                                    "initialise variables and tables")
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+_GLOB_CHARS = frozenset("*?[]{}\\")
+
+
+@contextlib.contextmanager
+def glob_free_path(path: Path) -> Iterator[Path]:
+    """``path``, or while in use a symbolic link to it without glob characters.
+
+    TensorFlow looks checkpoints up by glob pattern, so a SavedModel under a directory named like
+    ``exp_[1]`` would not load from its own path.
+    """
+    path = Path(path).absolute()
+    if not _GLOB_CHARS & set(str(path)):
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="policy-export-load-"))
+    try:
+        link = tmp / "model"
+        link.symlink_to(path, target_is_directory=True)
+        yield link
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_saved_model(path: str | Path, session, tag: str = "serve", signature_key: str | None = None, *,
+                     proto=None):
+    """Load the SavedModel at ``path`` into ``session`` (its graph) from the one read of its file,
+    as ``tf1.saved_model.loader.load`` would, but only what :func:`prune_to_serving` keeps for
+    ``signature_key`` (``None``: every signature) and only after :func:`check_meta_graph` passed:
+    import the checked meta graph, restore the variables with the saver's own restore op from
+    ``path/variables/variables``, run the init op. Returns the (pruned) MetaGraphDef.
+
+    The file is read once (:func:`read_saved_model`, or the already-read ``proto``): what is
+    checked is what is loaded, even if the file changes meanwhile.
+
+    Raises:
+        UnsafeModelError: an op that may not be loaded (nothing was run).
+        ExportError: not a SavedModel with ``tag``, or its variables cannot be restored.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework import meta_graph as meta_graph_lib
+
+    path = Path(path)
+    proto = read_saved_model(path) if proto is None else proto
+    meta = select_meta_graph(proto, tag, str(path))
+    meta = prune_to_serving(meta, signature_key, str(path)) if signature_key is not None else meta
+    check_meta_graph(meta, str(path), budget=saved_model_budget(path))  # before any of its ops can run
+    graph = session.graph
+    try:
+        with graph.as_default(), glob_free_path(path) as alias:
+            meta_graph_lib.import_scoped_meta_graph(meta)
+            if meta.HasField("saver_def"):
+                session.run(meta.saver_def.restore_op_name,
+                            {meta.saver_def.filename_tensor_name: str(alias / "variables" / "variables")})
+            init = init_roots(meta)
+            if init:
+                session.run([graph.as_graph_element(n) for n in init])
+    except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
+        raise ExportError(f"{path} is not a loadable SavedModel with tag {tag!r}: {e}") from e
+    return meta

@@ -108,7 +108,7 @@ def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
             return TFGraphRunner.from_graph_def(path, manifest["tensor_names"], device,
                                                 Contract.from_json(manifest["contract"]))
 
-    registry = dict(formats._registry())
+    registry = {f.name: f for f in formats.all_formats()}
     registry["frozen_copy"] = Copy()
     registry = dict(sorted(registry.items(), key=lambda kv: kv[1].order))
     monkeypatch.setattr(formats, "_REGISTRY", registry)

@@ -142,22 +142,25 @@ def test_rollout_reports_a_float_action_beyond_tolerance(exports, monkeypatch):
     _, out = exports("pendulum_mlp")
     real = verify.load_runner
 
-    def shifted(fmt, root, doc, plan):
-        runner = real(fmt, root, doc, plan)
-        if fmt != "onnx":
-            return runner
-        calls = {"n": 0}
-        real_run = runner._run
+    class Shifted:
+        """The ONNX runner, its float action moved by 1e-3 from its eighth call (step 7 of the first episode) on."""
 
-        def run(feeds):
-            got = dict(real_run(feeds))
-            calls["n"] += 1
-            if calls["n"] > 7:  # from the eighth call (step 7 of the first episode) on
+        def __init__(self, runner):
+            self.runner, self.calls = runner, 0
+
+        def __call__(self, feeds):
+            got = dict(self.runner(feeds))
+            self.calls += 1
+            if self.calls > 7:
                 got["actions_0"] = got["actions_0"] + np.float32(1e-3)
             return got
 
-        runner._run = run
-        return runner
+        def close(self):
+            self.runner.close()
+
+    def shifted(fmt, root, doc, plan):
+        runner = real(fmt, root, doc, plan)
+        return Shifted(runner) if fmt == "onnx" else runner
 
     monkeypatch.setattr(verify, "load_runner", shifted)
     report = rollout(out, "Pendulum-v1", episodes=2, seed=0, device="cpu")

@@ -9,10 +9,7 @@ the key -> tensor mapping comes from (the SavedModel's signature, or the manifes
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +17,9 @@ import tensorflow as tf
 
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.formats.runner import HeadUnavailable, Runner, TensorMeta
-from policy_export.exporter.trust import check_graph_def, check_saved_model, read_graph_def
+from policy_export.exporter.trust import (  # noqa: F401 (glob_free_path: re-exported)
+    check_graph_def, glob_free_path, load_saved_model, read_graph_def,
+)
 from policy_export.exporter.watchdog import RunTimeoutError, current_limit, run_stoppable
 from policy_export.errors import ExportError
 from policy_export.policy.graph import session_config
@@ -31,27 +30,6 @@ from policy_export.signatures.keys import ACTION_DIST_INPUTS, ACTION_LOGP, ACTIO
 tf1 = tf.compat.v1
 SERVING_TAG = tf1.saved_model.tag_constants.SERVING
 
-_GLOB_CHARS = frozenset("*?[]{}\\")
-
-
-@contextlib.contextmanager
-def glob_free_path(path: Path) -> Iterator[Path]:
-    """``path``, or while in use a symbolic link to it without glob characters.
-
-    TensorFlow looks checkpoints up by glob pattern, so a SavedModel under a directory named like
-    ``exp_[1]`` would not load from its own path.
-    """
-    path = Path(path).absolute()
-    if not _GLOB_CHARS & set(str(path)):
-        yield path
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="policy-export-load-"))
-    try:
-        link = tmp / "model"
-        link.symlink_to(path, target_is_directory=True)
-        yield link
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 LARGE_CONSTANT = 1 << 20  # bytes: constants at least this large are fed rather than built into the session
@@ -112,22 +90,19 @@ class TFGraphRunner(Runner):
     @classmethod
     def from_saved_model(cls, path: Path, device: DevicePlan, signature_key: str = SERVING_KEY,
                          tags=(SERVING_TAG,), contract: Contract | None = None) -> "TFGraphRunner":
-        """Check the SavedModel's ops (:func:`exporter.trust.check_saved_model`), then load it.
+        """Load the signature's part of the SavedModel from one read of its file, after its ops are
+        checked (:func:`exporter.trust.load_saved_model`).
 
         Raises:
             UnsafeModelError: the SavedModel holds an op that may not be loaded (nothing is run).
             ExportError: not a loadable SavedModel, or no such signature.
         """
-        check_saved_model(path)
         graph = tf.Graph()
         session = tf1.Session(graph=graph, config=session_config(device.tf_device))
         try:
-            with graph.as_default(), tf.device(device.tf_device), glob_free_path(path) as alias:
-                meta = tf1.saved_model.loader.load(session, list(tags), str(alias))
+            with graph.as_default(), tf.device(device.tf_device):  # read once, checked, then imported
+                meta = load_saved_model(path, session, list(tags)[0])  # the whole meta graph, as TF's loader would
             sig = find_signature(meta, signature_key, str(path))
-        except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
-            session.close()
-            raise ExportError(f"{path} is not a loadable SavedModel with tags {list(tags)}: {e}") from e
         except ExportError:
             session.close()
             raise

@@ -171,7 +171,6 @@ def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | N
     op runs: what ``tf1.saved_model.loader.load`` does, on the pruned graph.
     """
     import tensorflow as tf
-    from tensorflow.python.framework import meta_graph as meta_graph_lib
 
     from policy_export.policy.tf_policy import session_config
 
@@ -179,28 +178,13 @@ def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | N
     if proto is None and not (path / "saved_model.pb").is_file():
         raise ExportError(f"{path} is not a SavedModel directory (no saved_model.pb); note that RLlib's "
                           f"export_model writes an empty folder for LSTM policies")
-    from policy_export.exporter.formats.tf_runner import glob_free_path
-    from policy_export.exporter.trust import (
-        check_meta_graph, init_roots, prune_to_serving, read_saved_model, saved_model_budget, select_meta_graph,
-    )
+    from policy_export.exporter.trust import load_saved_model, read_saved_model
 
     proto = read_saved_model(path) if proto is None else proto
-    meta = prune_to_serving(select_meta_graph(proto, tag, str(path)), signature_key, str(path))
-    check_meta_graph(meta, str(path), budget=saved_model_budget(path))  # before any of its ops can run
-    sig = find_signature(meta, signature_key, str(path))
     graph = tf.Graph()
     with tf1.Session(graph=graph, config=session_config(device)) as session:
-        try:
-            with graph.as_default(), glob_free_path(path) as alias:
-                meta_graph_lib.import_scoped_meta_graph(meta)
-                if meta.HasField("saver_def"):
-                    session.run(meta.saver_def.restore_op_name,
-                                {meta.saver_def.filename_tensor_name: str(alias / "variables" / "variables")})
-                init = init_roots(meta)
-                if init:
-                    session.run([graph.as_graph_element(n) for n in init])
-        except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
-            raise ExportError(f"cannot load SavedModel {path} with tag {tag!r}: {e}") from e
+        meta = load_saved_model(path, session, tag, signature_key, proto=proto)  # checked before it runs
+        sig = find_signature(meta, signature_key, str(path))
         names = sorted({v.name.split(":")[0] for v in sig.outputs.values()})
         try:
             with graph.as_default():
