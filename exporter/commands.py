@@ -322,7 +322,7 @@ def cmd_rollout(args, console) -> int:
 
     from policy_export.exporter.options import RolloutOptions, replace
 
-    read_manifest(Path(args.out))
+    doc = read_manifest(Path(args.out))  # read once: the rollout takes it as read
     opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_rollout_formats(args.formats),
                           return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
     _check_report_paths(args, args.out)
@@ -330,7 +330,7 @@ def cmd_rollout(args, console) -> int:
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
 
-    report = rollout(args.out, args.env, replace(opts, device=_device_plan(args)))
+    report = rollout(args.out, args.env, replace(opts, device=_device_plan(args)), manifest_doc=doc)
     _print_rollout(console, report, args)
     if args.report_json:
         try:

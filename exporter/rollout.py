@@ -139,12 +139,14 @@ class _Agent:
         return nest_from_leaves(self.act_space, actions), actions
 
 
-def rollout(out: str | Path, env_id: str, options: RolloutOptions | None = None, **keywords: Any) -> RolloutReport:
+def rollout(out: str | Path, env_id: str, options: RolloutOptions | None = None, *,
+            manifest_doc: dict | None = None, **keywords: Any) -> RolloutReport:
     """Play ``episodes`` seeded episodes of ``env_id`` with ``formats`` of the export at ``out``.
 
     The options are a :class:`~exporter.options.RolloutOptions` or its fields as keywords:
     ``episodes`` (default 10), ``seed`` of the first episode, ``device``, ``max_steps`` per
-    episode, ``formats``, ``return_tolerance`` and ``run_timeout``.
+    episode, ``formats``, ``return_tolerance`` and ``run_timeout``. ``manifest_doc`` is the export's
+    manifest already read with :func:`exporter.manifest.read_manifest` (it is not read again).
 
     ``formats`` (default ``["saved_model", "onnx"]``): two or more of the export's formats that run
     the policy's signature (every format but ``keras``); the first is the reference, unless it is
@@ -161,14 +163,14 @@ def rollout(out: str | Path, env_id: str, options: RolloutOptions | None = None,
     """
     opts = RolloutOptions.make(options, keywords)
     with run_limit(opts.run_timeout):
-        return _rollout(Path(out), env_id, opts)
+        return _rollout(Path(out), env_id, opts, manifest_doc)
 
 
-def _rollout(out: Path, env_id: str, opts: RolloutOptions) -> RolloutReport:
+def _rollout(out: Path, env_id: str, opts: RolloutOptions, doc: dict | None) -> RolloutReport:
     from policy_export.exporter import formats as registry
     from policy_export.exporter.verify import load_runner
 
-    doc = manifest.read_manifest(out)
+    doc = manifest.read_manifest(out) if doc is None else doc
     problems = manifest.check_files(out, doc, registry.paths()).problems
     if problems:  # never load a model whose files failed their hash check
         raise CheckFailedError(f"{out} failed its file check, nothing was loaded: " + "; ".join(problems))

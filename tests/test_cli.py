@@ -25,7 +25,7 @@ NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback"
 
 def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None,
         isolated: bool = False) -> subprocess.CompletedProcess:
-    if not (isolated or cwd or env_extra):
+    if not (isolated or cwd or env_extra or os.environ.get("POLICY_EXPORT_CLI_TESTS_IN_SUBPROCESS")):
         return _in_process(args)
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}

@@ -1,4 +1,4 @@
-"""The ONNX model, converted from the frozen graph with tf2onnx.
+"""The ONNX models' writer, file checks and runner (the conversion itself is :mod:`.convert`).
 
 Its input and output names are the signature keys. Optional inputs (``explore``,
 ``is_training``, ``timestep``...) are graph inputs backed by an initializer holding the default:
