@@ -76,3 +76,27 @@ def policies():
         return cache[name]
 
     return get
+
+
+def splice_into_serving_path(pb: Path, build) -> None:
+    """Add the nodes (and library functions) ``build(obs)`` makes in a scratch graph to the
+    SavedModel at ``pb``, with the serving signature's first output waiting on the node ``build``
+    returns the name of. ``obs`` stands for the signature's ``observations`` input (the scratch
+    graph's placeholder of the same name is not copied: the copied nodes read the real one)."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString(pb.read_bytes())
+    meta = proto.meta_graphs[0]
+    signature = meta.signature_def["serving_default"]
+    obs_name = signature.inputs["observations"].name.split(":")[0]
+    scratch = tf.Graph()
+    with scratch.as_default():
+        waited_on = build(tf.compat.v1.placeholder(tf.float32, name=obs_name))
+    scratch_def = scratch.as_graph_def()
+    meta.graph_def.node.extend(n for n in scratch_def.node if n.name != obs_name)
+    meta.graph_def.library.function.extend(scratch_def.library.function)
+    output = next(iter(signature.outputs.values())).name.split(":")[0]
+    next(n for n in meta.graph_def.node if n.name == output).input.append(f"^{waited_on}")
+    pb.write_bytes(proto.SerializeToString())

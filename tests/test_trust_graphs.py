@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, splice_into_serving_path
 from policy_export.exporter import allowed_ops, trust
 
 LEGACY = FIXTURES_DIR / "rllib" / "legacy"
@@ -241,7 +241,6 @@ def _real_dataset_payload(pb: Path, victim: Path) -> None:
     """Splice TF's own DatasetFromGraph, fed a serialised dataset graph whose map fn writes ``victim``,
     into the serving path of the SavedModel at ``pb`` (the output waits on the dataset's one element)."""
     import tensorflow as tf
-    from tensorflow.core.protobuf import saved_model_pb2
 
     def write_then(x):
         with tf.control_dependencies([tf.io.write_file(str(victim), "pwned")]):
@@ -250,24 +249,16 @@ def _real_dataset_payload(pb: Path, victim: Path) -> None:
     dataset = tf.data.Dataset.from_tensors(tf.constant(0)).map(write_then)
     serialised = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor).numpy()
     assert b"WriteFile" in serialised
-    proto = saved_model_pb2.SavedModel()
-    proto.ParseFromString(pb.read_bytes())
-    meta = proto.meta_graphs[0]
-    signature = meta.signature_def["serving_default"]
-    obs_name = signature.inputs["observations"].name.split(":")[0]
-    scratch = tf.Graph()
-    with scratch.as_default():
+    def build(obs):
         # chosen by a test on the observations (always true for finite ones), so that no optimiser folds it
-        obs = tf.compat.v1.placeholder(tf.float32, name=obs_name)
         graph_def = tf.where(tf.reduce_all(tf.math.is_finite(obs)), tf.constant(serialised), tf.constant(b""),
                              name="payload_graph")
         variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def, name="payload_dataset")
         tf.raw_ops.DatasetToSingleElement(dataset=variant, output_types=[tf.int32], output_shapes=[[]],
                                           name="payload")
-    meta.graph_def.node.extend(n for n in scratch.as_graph_def().node if n.name != obs_name)
-    output = next(iter(signature.outputs.values())).name.split(":")[0]
-    next(n for n in meta.graph_def.node if n.name == output).input.append("^payload")
-    pb.write_bytes(proto.SerializeToString())
+        return "payload"
+
+    splice_into_serving_path(pb, build)
 
 
 def test_a_real_dataset_graph_payload_writes_under_tensorflow_and_never_under_verify(exports, tmp_path):

@@ -18,7 +18,7 @@ from onnx import helper
 
 from conftest import FIXTURES_DIR  # noqa: F401  (the fixtures' home, for the exports fixture)
 from test_cli import cli
-from test_hardening import copy_export, one_line_error, snapshot
+from test_hardening import one_line_error, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 INT64_MAX = 2**63 - 1
@@ -314,27 +314,17 @@ def test_convert_stops_an_endless_while_in_the_files_own_session_at_the_run_limi
     import shutil
 
     import tensorflow as tf
-    from tensorflow.core.protobuf import saved_model_pb2
+
+    from conftest import splice_into_serving_path
 
     model = tmp_path / "model"
     shutil.copytree(FIXTURES_DIR / "rllib" / "legacy" / "cartpole_ff" / "saved_model", model)
-    proto = saved_model_pb2.SavedModel()
-    proto.ParseFromString((model / "saved_model.pb").read_bytes())
-    meta = proto.meta_graphs[0]
-    signature = meta.signature_def["serving_default"]
-    obs_name = signature.inputs["observations"].name.split(":")[0]
-    scratch = tf.Graph()
-    with scratch.as_default():
-        obs = tf.compat.v1.placeholder(tf.float32, name=obs_name)
-        tf.while_loop(lambda i: i < tf.constant(2**62, tf.int64), lambda i: i + 1,
-                      [tf.cast(tf.size(obs), tf.int64)], name="endless")
-    scratch_def = scratch.as_graph_def()
-    meta.graph_def.node.extend(n for n in scratch_def.node if n.name != obs_name)
-    meta.graph_def.library.function.extend(scratch_def.library.function)
-    output = next(iter(signature.outputs.values())).name.split(":")[0]
-    loop = next(n.name for n in scratch_def.node if n.op in ("While", "StatelessWhile"))
-    next(n for n in meta.graph_def.node if n.name == output).input.append(f"^{loop}")
-    (model / "saved_model.pb").write_bytes(proto.SerializeToString())
+    def build(obs):
+        _, = tf.while_loop(lambda i: i < tf.constant(2**62, tf.int64), lambda i: i + 1,
+                           [tf.cast(tf.size(obs), tf.int64)], name="endless")
+        return next(op.name for op in obs.graph.get_operations() if op.type in ("While", "StatelessWhile"))
+
+    splice_into_serving_path(model / "saved_model.pb", build)
     start = time.monotonic()
     proc = cli("convert", str(model), "--out", str(tmp_path / "out"), "--samples", "8", "--run-timeout", "2", "-q")
     elapsed = time.monotonic() - start
