@@ -10,6 +10,10 @@ that ran and failed. Anything else that escapes a command is a bug in the packag
     |   EnvironmentMismatchError, JSONError (policy_export.policy.jsonio)
     |-- ExportError: ExportExistsError, ExportBusyError, UnsafeModelError, DeclaredSizeError
     `-- CheckFailedError (1): ParityFailedError, RunTimeoutError
+
+A converter (tf2onnx, the TFLite converter) that cannot convert a policy's graph raises an
+:class:`ExportError` naming the format and the converter's error: the graph is the input that
+format cannot be made from (exit 2), not a check that ran and failed, and not a bug of this package.
 """
 
 from __future__ import annotations
