@@ -161,7 +161,8 @@ def _rollout_parser(sub, common) -> None:
                         help="play an environment with the export's TF and ONNX runtimes and compare their actions")
     ro.add_argument("out", metavar="OUT", help="export directory")
     ro.add_argument("--env", required=True, metavar="ENV_ID", help="gymnasium environment id, e.g. CartPole-v1")
-    ro.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes (default 10)")
+    ro.add_argument("--episodes", type=int, default=D.DEFAULT_EPISODES, metavar="N",
+                    help=f"episodes (default {D.DEFAULT_EPISODES})")
     ro.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the first episode (default 0)")
     ro.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     _tf32_option(ro)
@@ -170,7 +171,7 @@ def _rollout_parser(sub, common) -> None:
                     help="comma-separated formats that play, the first is the reference unless it is lossy "
                          "(the float SavedModel is then the reference) (default saved_model,onnx; also "
                          "frozen_graph, onnx_deterministic, tflite, tflite_int8, onnx_int8, onnx_fp16)")
-    ro.add_argument("--return-tolerance", type=float, default=0.05, metavar="X",
+    ro.add_argument("--return-tolerance", type=float, default=D.DEFAULT_RETURN_TOLERANCE, metavar="X",
                     help="lossy formats: largest relative difference of the mean return from the reference's "
-                         "(default 0.05)")
+                         f"(default {D.DEFAULT_RETURN_TOLERANCE})")
     _run_timeout_option(ro)

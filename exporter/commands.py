@@ -132,7 +132,7 @@ def cmd_export(args, console) -> int:
     from policy_export.exporter.reports import parity_table
 
     try:
-        result = export_spec(spec, args.out, replace(opts, device=_device_plan(args), formats=_formats_option(args.formats)))
+        result = export_spec(spec, args.out, replace(opts, device=_device_plan(args)))
     except ParityFailedError as e:
         args.progress.close(failed=True)
         if e.report is not None:
@@ -309,12 +309,10 @@ def cmd_convert(args, console) -> int:
 def _rollout_formats(text: str | None) -> list[str] | None:
     from policy_export.errors import InputError
 
-    if text is None:
-        return None
-    formats = [f.strip() for f in text.split(",") if f.strip()]
-    if not formats:
+    formats = _formats_option(text)
+    if formats is not None and not formats:
         raise InputError("--formats: give two or more formats, e.g. saved_model,onnx")
-    return formats
+    return formats  # None: the default pair
 
 
 def cmd_rollout(args, console) -> int:

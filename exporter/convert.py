@@ -19,7 +19,7 @@ import gymnasium as gym
 
 from policy_export.errors import InputError
 from policy_export.exporter.export import export_policy
-from policy_export.exporter.options import replace
+from policy_export.exporter.options import ExportOptions, replace
 from policy_export.exporter.progress import SILENT
 from policy_export.exporter.staging import check_target
 from policy_export.exporter.watchdog import run_limit
@@ -73,14 +73,14 @@ def convert_saved_model(path: str | Path, out: str | Path, *, device: str = "aut
     from policy_export.exporter.sources.keras import is_keras_base_model
     from policy_export.exporter.trust import read_saved_model
 
-    source, options = SourceOptions.split(options)
-    with run_limit(_option(options, "run_timeout", None)):  # loading runs the file's graph too
+    source, opts = _split(options, device)
+    with run_limit(opts.run_timeout):  # loading runs the file's graph too
         proto = read_saved_model(path) if (Path(path) / "saved_model.pb").is_file() else None  # read once
         if is_keras_base_model(path, source.signature_key, source.tag, proto=proto):
-            return _convert_keras(path, out, source, device, proto, options)
+            return _convert_keras(path, out, source, proto, opts)
         if source.dist_inputs is not None:
             raise InputError("--dist-inputs applies to Keras base models only; this SavedModel has 'actions' outputs")
-        return _convert_legacy(path, out, source, device, proto, options)
+        return _convert_legacy(path, out, source, proto, opts)
 
 
 def convert_keras_model(path: str | Path, out: str | Path, *, device: str = "auto", proto: Any = None,
@@ -89,27 +89,35 @@ def convert_keras_model(path: str | Path, out: str | Path, *, device: str = "aut
     export at ``out``; ``proto`` is the SavedModel already read, ``options`` as for
     :func:`convert_saved_model`. The Keras formats are left out (the model is served through the
     policy graph)."""
-    source, options = SourceOptions.split(options)
-    with run_limit(_option(options, "run_timeout", None)):
-        return _convert_keras(path, out, source, device, proto, options)
+    source, opts = _split(options, device)
+    with run_limit(opts.run_timeout):
+        return _convert_keras(path, out, source, proto, opts)
 
 
-def _convert_legacy(path, out, source: SourceOptions, device: str, proto, options: dict[str, Any]):
+def _split(options: dict[str, Any], device: str) -> tuple[SourceOptions, ExportOptions]:
+    """The source options, and the export options (``options=``, or made from the other keywords)
+    with ``device``."""
+    source, rest = SourceOptions.split(options)
+    made = ExportOptions.make(rest.pop("options", None), rest)
+    return source, replace(made, device=device)
+
+
+def _convert_legacy(path, out, source: SourceOptions, proto, opts: ExportOptions):
     from policy_export.exporter.sources.legacy import load_saved_model_policy
 
-    check_target(Path(out).absolute(), _option(options, "overwrite", False))
-    with (_option(options, "progress", None) or SILENT).stage("load SavedModel"):
-        policy, record = load_saved_model_policy(path, source.signature_key, source.tag, device, source.state_pairs,
+    check_target(Path(out).absolute(), opts.overwrite)
+    with (opts.progress or SILENT).stage("load SavedModel"):
+        policy, record = load_saved_model_policy(path, source.signature_key, source.tag, opts.device, source.state_pairs,
                                                  source.observation_space, source.action_space, proto=proto)
     if EXPLORE in record:
         log.info("the hidden exploration switch %s (default %s) is the 'explore' input, default false",
                  record[EXPLORE]["from"], record[EXPLORE]["original_default"])
     described = {"converted_from": str(Path(path).absolute()), "signature": source.signature_key, "tag": source.tag,
                  **record}
-    return _export(policy, out, device, described, options)
+    return _export(policy, out, replace(opts, source=described))
 
 
-def _convert_keras(path, out, source: SourceOptions, device: str, proto, options: dict[str, Any]):
+def _convert_keras(path, out, source: SourceOptions, proto, opts: ExportOptions):
     from policy_export.exporter.sources.keras import load_keras_policy
     from policy_export.policy.spaces import space_to_json
 
@@ -117,31 +125,19 @@ def _convert_keras(path, out, source: SourceOptions, device: str, proto, options
         raise InputError(f"{path} is a Keras base model (its signature has no 'actions' output): the action head "
                          f"is not stored in it, so --action-space is required, e.g. "
                          f"'{{\"type\": \"Discrete\", \"n\": 2}}'")
-    check_target(Path(out).absolute(), _option(options, "overwrite", False))
-    with (_option(options, "progress", None) or SILENT).stage("load SavedModel"):
+    check_target(Path(out).absolute(), opts.overwrite)
+    with (opts.progress or SILENT).stage("load SavedModel"):
         policy, mapping = load_keras_policy(path, source.action_space, observation_space=source.observation_space,
                                             dist_inputs=source.dist_inputs, signature_key=source.signature_key,
-                                            tag=source.tag, device=device, proto=proto)
+                                            tag=source.tag, device=opts.device, proto=proto)
     described = {"converted_from": str(Path(path).absolute()), "kind": "keras_base_model",
                  "signature": source.signature_key, "tag": source.tag, "key_mapping": mapping,
                  "action_space": space_to_json(source.action_space)}
-    return _export(policy, out, device, described, options)
+    return _export(policy, out, replace(opts, source=described))
 
 
-def _option(options: dict[str, Any], name: str, default):
-    """An export option from the made options, else from the keywords."""
-    made = options.get("options")
-    return getattr(made, name) if made is not None else options.get(name, default)
-
-
-def _export(policy, out, device: str, source: dict[str, Any], options: dict[str, Any]):
-    """Export the converted policy: ``options`` holds either ``options`` (an
-    :class:`~exporter.options.ExportOptions` made already) or the export keywords."""
-    made = options.get("options")
+def _export(policy, out, opts: ExportOptions):
     try:
-        if made is not None:
-            return export_policy(policy, out, replace(made, device=device, source=source,
-                                                      formats=made.formats if made.explicit_formats else None))
-        return export_policy(policy, out, device=device, source=source, **options)
+        return export_policy(policy, out, opts)
     finally:
         policy.close()

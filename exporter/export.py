@@ -119,7 +119,7 @@ def export_spec(spec, out: str | Path, options: ExportOptions | None = None, **k
 def _with_device(opts: ExportOptions, plan: DevicePlan) -> ExportOptions:
     from policy_export.exporter.options import replace
 
-    return replace(opts, device=plan, formats=opts.formats if opts.explicit_formats else None)
+    return replace(opts, device=plan)
 
 
 @contextlib.contextmanager

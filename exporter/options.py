@@ -125,6 +125,7 @@ class ExportOptions:
         set_(self, "run_timeout", check_run_timeout(self.run_timeout))
         if self.tolerances is not None and not isinstance(self.tolerances, Tolerances):
             raise InputError(f"tolerances must be a Tolerances, got {type(self.tolerances).__name__}")
+        set_(self, "budgeted", [])  # the observation spaces whose sample budget these counts passed
 
     @classmethod
     def make(cls, options: "ExportOptions | None", keywords: Mapping[str, Any]) -> "ExportOptions":
@@ -133,12 +134,16 @@ class ExportOptions:
 
     def check_policy(self, observation_space, output_keys: Sequence[str] | None = None) -> None:
         """The checks that need the policy: sample budgets of its observation space, tolerance keys
-        of its outputs (when known: ``None`` before the policy is built)."""
-        check_sample_budget(self.samples, observation_space, "samples (--samples)")
-        if self.explore_samples:
-            check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
-                                f"explore_samples (--explore-samples) {self.explore_samples} x "
-                                f"{DEFAULT_OBSERVATIONS} observations:")
+        of its outputs (when known: ``None`` before the policy is built). A space whose budget
+        passed already (the command line checks before TensorFlow loads, the export again when
+        called directly) is not checked twice."""
+        if not any(space is observation_space for space in self.budgeted):
+            check_sample_budget(self.samples, observation_space, "samples (--samples)")
+            if self.explore_samples:
+                check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
+                                    f"explore_samples (--explore-samples) {self.explore_samples} x "
+                                    f"{DEFAULT_OBSERVATIONS} observations:")
+            self.budgeted.append(observation_space)
         if self.tolerances is not None and output_keys is not None:
             check_tolerance_keys(self.tolerances, output_keys)
 
@@ -213,5 +218,11 @@ def _make(cls, options, keywords: Mapping[str, Any]):
 
 
 def replace(options, **changes):
-    """``options`` with ``changes``, checked again."""
-    return dataclasses.replace(options, **changes)
+    """``options`` with ``changes``, checked again (formats left to the default stay so; the
+    sample budgets already passed carry over unless the sample counts change)."""
+    if "formats" not in changes and getattr(options, "explicit_formats", True) is False:
+        changes["formats"] = None  # formats left to the default stay so (skipped, not refused, if unwritable)
+    new = dataclasses.replace(options, **changes)
+    if hasattr(options, "budgeted") and not {"samples", "explore_samples"} & changes.keys():
+        object.__setattr__(new, "budgeted", options.budgeted)
+    return new

@@ -513,3 +513,25 @@ def test_exit_3_on_an_internal_error(debug, tmp_path, monkeypatch, capsys):
         assert "Traceback" in captured.err and "RuntimeError: boom" in captured.err
     else:
         assert captured.err == message + "\n"
+
+
+def test_the_sample_budget_is_checked_once_per_command_and_again_when_the_counts_change(monkeypatch):
+    from policy_export.exporter import options
+    from policy_export.policy.spec import load_spec
+
+    calls = []
+    real = options.check_sample_budget
+    monkeypatch.setattr(options, "check_sample_budget", lambda *a: calls.append(a[0]) or real(*a))
+    space = load_spec(FIXTURES_DIR / "cartpole_mlp").observation_space
+    opts = options.ExportOptions(samples=10, explore_samples=0)
+    opts.check_policy(space)
+    options.replace(opts, device="cpu").check_policy(space)  # as export_spec and the export pass it on
+    assert calls == [10]
+    options.replace(opts, samples=20).check_policy(space)
+    assert calls == [10, 20]
+    with pytest.raises(options.InputError, match="samples \\(--samples\\) 2000000 exceeds the limit"):
+        options.ExportOptions(samples=2_000_000)
+    # formats left to the default stay so through any number of copies (unwritable ones are skipped)
+    again = options.replace(options.replace(opts, device="cpu"), source={"converted_from": "x"})
+    assert not again.explicit_formats and again.formats == options.ExportOptions().formats
+    assert options.replace(options.ExportOptions(formats=["onnx"]), device="cpu").explicit_formats
