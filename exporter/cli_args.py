@@ -8,6 +8,7 @@ from policy_export.exporter import defaults as D
 
 PROG = "policy-export"
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_PARTIAL = 4  # written and proven, but a format asked for could not be made (--allow-partial: 0)
 EXIT_INTERRUPTED = 130  # SIGINT, SIGTERM and SIGHUP alike
 
 
@@ -50,6 +51,18 @@ def _run_timeout_option(p: argparse.ArgumentParser) -> None:
                         "is stopped and fails the check, exit 1 (default 600)")
 
 
+def _partial_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-partial", action="store_true",
+                   help="exit 0 when some formats could not be made (they are listed, and recorded under "
+                        "'missing' in the manifest); by default that is exit 4, so that CI requires every format")
+
+
+def _formats_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--formats", default=None, metavar="LIST",
+                   help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
+                        "(the default) and the opt-in edge formats tflite,tflite_int8,onnx_int8,onnx_fp16")
+
+
 def _quiet_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress on stderr (by default each stage is shown with its elapsed time: a live "
@@ -76,9 +89,7 @@ def _export_parser(sub, common) -> None:
     ex = sub.add_parser("export", parents=[common], help="export a policy spec directory to every format and check parity")
     ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
-    ex.add_argument("--formats", default=None, metavar="LIST",
-                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
-                         "(the default) and the opt-in edge formats tflite,tflite_int8,onnx_int8,onnx_fp16")
+    _formats_argument(ex)
     ex.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N",
                     help=f"ONNX opset (default {D.DEFAULT_OPSET})")
     ex.add_argument("--seed", type=int, default=D.EXPORT_SEED, metavar="S",
@@ -93,6 +104,7 @@ def _export_parser(sub, common) -> None:
                          f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
     _parity_options(ex, D.DEFAULT_SAMPLES)
     _run_timeout_option(ex)
+    _partial_option(ex)
     _quiet_option(ex)
 
 
@@ -137,6 +149,7 @@ def _convert_parser(sub, common) -> None:
     co.add_argument("--out", required=True, metavar="OUT")
     co.add_argument("--signature", default="serving_default", metavar="KEY")
     co.add_argument("--tag", default="serve", metavar="TAG")
+    _formats_argument(co)
     co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
     co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
     co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
@@ -153,6 +166,7 @@ def _convert_parser(sub, common) -> None:
                     help="Keras base models: the output holding the action distribution inputs "
                          "(default: the one output of the width the action space needs)")
     _run_timeout_option(co)
+    _partial_option(co)
     _quiet_option(co)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from policy_export.exporter.cli_args import EXIT_CHECK_FAILED, EXIT_OK, PROG, one_line
+from policy_export.exporter.cli_args import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PARTIAL, PROG, one_line
 
 
 def _tolerances(args, base=None):
@@ -145,6 +145,17 @@ def cmd_export(args, console) -> int:
                                               f"{', '.join(result.parity.devices.get('onnxruntime_providers_used', []))})"))
     console.print(f"exported [bold]{escape(str(result.path))}[/bold]: {', '.join(result.formats)} "
                   f"({len(result.files)} files) in {time.perf_counter() - start:.1f} s")
+    return _partial_status(console, result, args)
+
+
+def _partial_status(console, result, args) -> int:
+    """Name each format that could not be made; exit 4 then, unless ``--allow-partial``."""
+    for name, reason in result.missing.items():
+        console.print(f"[yellow]not written[/yellow]: {escape(name)}: {escape(one_line(reason))}", soft_wrap=True)
+    if result.missing and not args.allow_partial:
+        console.print(f"{len(result.missing)} format(s) could not be made (exit {EXIT_PARTIAL}; "
+                      "--allow-partial accepts that)")
+        return EXIT_PARTIAL
     return EXIT_OK
 
 
@@ -275,8 +286,8 @@ def cmd_convert(args, console) -> int:
     from policy_export.exporter.options import ExportOptions
     from policy_export.exporter.staging import check_target
 
-    opts = ExportOptions(opset=args.opset, samples=args.samples, overwrite=args.overwrite, progress=args.progress,
-                         run_timeout=args.run_timeout)
+    opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
+                         overwrite=args.overwrite, progress=args.progress, run_timeout=args.run_timeout)
     if not (Path(args.saved_model) / "saved_model.pb").is_file():
         raise ExportError(f"{args.saved_model} is not a SavedModel directory (no saved_model.pb)")
     check_target(Path(args.out).absolute(), args.overwrite)
@@ -303,7 +314,7 @@ def cmd_convert(args, console) -> int:
         console.print(f"  {escape(one_line(old))} -> {escape(one_line(new))}", soft_wrap=True)
     console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] to "
                   f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
-    return EXIT_OK
+    return _partial_status(console, result, args)
 
 
 def _rollout_formats(text: str | None) -> list[str] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from policy_export.errors import ExportError, InputError, ParityFailedError
+from policy_export.errors import ConversionError, ExportError, InputError, ParityFailedError
 from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import DevicePlan, plan_devices
@@ -58,6 +58,12 @@ class ExportResult:
     manifest: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)  # process peak memory at each stage's end
+    missing: dict[str, str] = field(default_factory=dict)  # format -> why it could not be made
+
+    @property
+    def complete(self) -> bool:
+        """Every format asked for was written (and proven)."""
+        return not self.missing
 
 
 def export_policy(policy, out: str | Path, options: ExportOptions | None = None, **keywords: Any) -> ExportResult:
@@ -162,6 +168,7 @@ class _Export:
                                  inputs_as_nchw=opts.inputs_as_nchw,
                                  external_data_threshold=opts.external_data_threshold)
         self.timings: dict[str, float] = {}
+        self.missing: dict[str, str] = {}
 
     def run(self) -> ExportResult:
         with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite) as stage:
@@ -175,13 +182,15 @@ class _Export:
                                    behaviour=self.thresholds)
             view = {"tensor_names": self.signature.tensor_names(), "contract": self.signature.contract.to_json(),
                     "formats": info}
-            replay.check_formats(stage, [f.name for f in self.chosen], view, self.device, checks, report)
+            replay.check_formats(stage, [f.name for f in self.chosen if f.name in records], view, self.device,
+                                 checks, report)
             self.timings["parity"] = time.perf_counter() - start
             with _stage(self.timings, "write manifest", self.progress):
                 doc = self._write_manifest(stage, records, plan, report)
             if not report.passed:
                 self._fail(stage, plan, report)
-        return ExportResult(self.out, records, doc["files"], report, doc, self.timings, self.progress.peaks)
+        return ExportResult(self.out, records, doc["files"], report, doc, self.timings, self.progress.peaks,
+                            dict(self.missing))
 
     def _write_formats(self, stage: Path) -> dict[str, FormatRecord]:
         records: dict[str, FormatRecord] = {}
@@ -191,7 +200,15 @@ class _Export:
         for fmt in self.chosen:
             log.info("writing %s", fmt.name)
             with _stage(self.timings, f"write {fmt.name}", self.progress):
-                records[fmt.name] = fmt.write(self.ctx, stage / fmt.path)
+                try:
+                    records[fmt.name] = fmt.write(self.ctx, stage / fmt.path)
+                except ConversionError as e:
+                    # this format cannot be made; the others are still written and proven
+                    log.warning("%s: not written: %s", fmt.name, e)
+                    self.missing[fmt.name] = str(e)
+                    _remove(stage / fmt.path)
+        if not records:
+            raise ExportError("no format could be written: " + "; ".join(f"{k}: {v}" for k, v in self.missing.items()))
         self.ctx.release()  # the frozen graph and the converted models hold weights no later stage needs
         release_memory()
         return records
@@ -208,6 +225,8 @@ class _Export:
             doc["parity"]["behaviour"] = behaviour_thresholds.summarize(report.behaviour)
         if self.opts.source:
             doc["source"] = dict(self.opts.source)
+        if self.missing:
+            doc["missing"] = dict(self.missing)
         doc["files"] = manifest.file_records(stage)  # hashed once, with everything in place
         manifest.write_manifest(stage, doc)
         return doc
@@ -235,6 +254,16 @@ class _Export:
             frozen.write_bytes(self.ctx.frozen_graph_def().SerializeToString())
         report.localization.extend(localize_formats(frozen, models, self.signature.tensor_names()["inputs"],
                                                     plan.golden_inputs, self.tolerances))
+
+
+def _remove(path: Path) -> None:
+    """What a format that failed left in the staging directory."""
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _writable(policy, names, explicit: bool) -> list:

@@ -13,19 +13,19 @@ tf1 = tf.compat.v1
 
 
 def freeze(policy, signature) -> tf1.GraphDef:
-    """Fold the session's variables into constants, keeping only what the outputs need, then
-    rewrite the ops ONNX converters get wrong (:func:`replace_sparse_softmax_cross_entropy`)."""
+    """Fold the session's variables into constants, keeping only what the outputs need (variable
+    updates no output reads left out: :func:`drop_write_only_updates`), then rewrite the ops ONNX
+    converters get wrong (:func:`replace_sparse_softmax_cross_entropy`)."""
     return freeze_tensors(policy, [t.name for t in signature.outputs.values()])
 
 
 def freeze_tensors(policy, tensor_names: list[str]) -> tf1.GraphDef:
     """:func:`freeze` for the tensors named ``tensor_names``."""
     output_nodes = sorted({n.split(":")[0] for n in tensor_names})
+    graph_def, _ = drop_write_only_updates(policy.graph.as_graph_def(), output_nodes)
     try:
         with policy.graph.as_default():
-            frozen = tf1.graph_util.convert_variables_to_constants(
-                policy.session, policy.graph.as_graph_def(), output_nodes
-            )
+            frozen = tf1.graph_util.convert_variables_to_constants(policy.session, graph_def, output_nodes)
     except (tf.errors.OpError, ValueError, AssertionError) as e:
         raise ExportError(f"freezing the policy graph failed: {e}") from e
     return replace_sparse_softmax_cross_entropy(frozen)
@@ -109,7 +109,7 @@ def skeleton(policy, output_nodes: list[str]):
     """
     from tensorflow.core.framework import attr_value_pb2
 
-    graph_def = tf1.graph_util.extract_sub_graph(policy.graph.as_graph_def(), output_nodes)
+    graph_def, _ = drop_write_only_updates(policy.graph.as_graph_def(), output_nodes)
     variables = {n.name: n for n in graph_def.node if n.op in _VARIABLE_OPS}
     weights: dict[str, Any] = {}
     for node in graph_def.node:
@@ -139,3 +139,181 @@ def skeleton(policy, output_nodes: list[str]):
     if missing:
         raise NoSkeleton(f"variables {missing} are never read")
     return replace_sparse_softmax_cross_entropy(graph_def), weights
+
+
+# ---------------------------------------------------------------------------- state updates, dead branches
+
+ASSIGN_OPS = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Assign", "AssignAdd", "AssignSub"}
+_READ_OPS = {"ReadVariableOp", "Identity", "ResourceGather"}
+
+
+def _split_input(name: str) -> tuple[str, str, bool]:
+    """``^a`` -> (``a``, ``0``, True); ``a:1`` -> (``a``, ``1``, False)."""
+    control = name.startswith("^")
+    node, _, port = name.lstrip("^").partition(":")
+    return node, port or "0", control
+
+
+def drop_write_only_updates(graph_def: tf1.GraphDef, output_nodes: list[str]) -> tuple[tf1.GraphDef, list[str]]:
+    """``graph_def`` pruned to ``output_nodes`` without the variable updates no output reads.
+
+    RLlib's serving graphs update bookkeeping variables on every call (EpsilonGreedy's
+    ``last_timestep``, say) and make the actions wait for the update with a control edge. The
+    outputs never read those variables, so the update changes nothing a caller sees, but a
+    converter cannot express it (tf2onnx: "passed int64 ... incompatible with expected resource").
+    An update is dropped when the outputs reach it only through control edges and read its
+    variable nowhere: state that an output does read (an Ornstein-Uhlenbeck noise state, say) is
+    kept, and converting it then fails as before. Returns the new GraphDef and the dropped nodes.
+    """
+    graph_def = tf1.graph_util.extract_sub_graph(graph_def, output_nodes)
+    nodes = {n.name: n for n in graph_def.node}
+    updates = {n.name for n in graph_def.node if n.op in ASSIGN_OPS}
+    if not updates:
+        return graph_def, []
+    read_vars, data_reached = set(), set()
+    stack = list(output_nodes)
+    while stack:  # data edges only
+        name = stack.pop()
+        if name in data_reached or name not in nodes:
+            continue
+        data_reached.add(name)
+        node = nodes[name]
+        for inp in node.input:
+            src, _, control = _split_input(inp)
+            if not control:
+                stack.append(src)
+        if node.op in _READ_OPS and node.input:
+            read_vars.add(_variable_of(nodes, node.input[0]))
+    dropped = sorted(u for u in updates if u not in data_reached
+                     and _variable_of(nodes, nodes[u].input[0]) not in read_vars)
+    if not dropped:
+        return graph_def, []
+    gone = set(dropped)
+    for node in graph_def.node:
+        keep = [i for i in node.input if not (i.startswith("^") and i[1:] in gone)]
+        if len(keep) != len(node.input):
+            del node.input[:]
+            node.input.extend(keep)
+    return tf1.graph_util.extract_sub_graph(graph_def, output_nodes), dropped
+
+
+def _variable_of(nodes: dict, name: str) -> str:
+    """The variable node an update's or read's first input comes from (through Identity nodes)."""
+    src = _split_input(name)[0]
+    seen = set()
+    while src in nodes and nodes[src].op == "Identity" and src not in seen and nodes[src].input:
+        seen.add(src)
+        src = _split_input(nodes[src].input[0])[0]
+    return src
+
+
+def pin_bool(graph_def: tf1.GraphDef, name: str, value: bool) -> None:
+    """Make node ``name`` (a bool placeholder) the constant ``value``, in place."""
+    node = next(n for n in graph_def.node if n.name == name)
+    node.op = "Const"
+    del node.input[:]
+    node.ClearField("attr")
+    node.attr["dtype"].type = tf.bool.as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.bool))
+
+
+def fold_constant_switches(graph_def: tf1.GraphDef) -> int:
+    """Remove the branches of TF1 ``tf.cond`` (``Switch``/``Merge``) whose predicate is a constant,
+    in place: the untaken side's nodes go, each such ``Switch`` becomes an ``Identity`` of its
+    data and each ``Merge`` left with one live input an ``Identity`` of it. Returns how many
+    switches were folded (0: nothing changed)."""
+    nodes = {n.name: n for n in graph_def.node}
+    constant = {}
+    for node in graph_def.node:
+        if node.op == "Const" and node.attr["dtype"].type == tf.bool.as_datatype_enum:
+            value = tf.make_ndarray(node.attr["value"].tensor)
+            if value.size == 1:
+                constant[node.name] = bool(value.reshape(()))
+
+    def const_of(inp: str):
+        src = _split_input(inp)[0]
+        seen = set()
+        while src in nodes and nodes[src].op == "Identity" and src not in seen:
+            seen.add(src)
+            src = _split_input(nodes[src].input[0])[0]
+        return constant.get(src)
+
+    taken = {n.name: const_of(n.input[1]) for n in graph_def.node
+             if n.op in ("Switch", "RefSwitch") and const_of(n.input[1]) is not None}
+    if not taken:
+        return 0
+    dead_outputs = {f"{name}:{0 if value else 1}" for name, value in taken.items()}
+    dead: set[str] = set()
+
+    def is_dead_input(inp: str) -> bool:
+        src, port, control = _split_input(inp)
+        return src in dead or (not control and f"{src}:{port}" in dead_outputs)
+
+    _mark_dead(graph_def, nodes, dead, is_dead_input)
+    keep = _rewrite_live(graph_def, dead, taken, is_dead_input)
+    del graph_def.node[:]
+    graph_def.node.extend(keep)
+    return len(taken)
+
+
+def _mark_dead(graph_def, nodes: dict, dead: set, is_dead_input) -> None:
+    """Add to ``dead`` every node an untaken branch feeds (a loop's ``Merge``: through its entry)."""
+    def from_loop(inp: str) -> bool:
+        src = nodes.get(_split_input(inp)[0])
+        return src is not None and src.op == "NextIteration"
+
+    changed = True
+    while changed:
+        changed = False
+        for node in graph_def.node:
+            if node.name in dead:
+                continue
+            data = [i for i in node.input if not i.startswith("^")]
+            if node.op in ("Merge", "RefMerge"):
+                entries = [i for i in data if not from_loop(i)]
+                now_dead = (any(is_dead_input(i) for i in entries) if len(entries) < len(data)
+                            else all(is_dead_input(i) for i in data))
+            else:
+                now_dead = any(is_dead_input(i) for i in data)
+            if now_dead:
+                dead.add(node.name)
+                changed = True
+
+
+def _rewrite_live(graph_def, dead: set, taken: dict, is_dead_input) -> list:
+    """The live nodes, with folded switches and single-input merges as ``Identity`` nodes."""
+    keep = []
+    for node in graph_def.node:
+        if node.name in dead:
+            continue
+        inputs = [i for i in node.input if not (i.startswith("^") and _split_input(i)[0] in dead)]
+        if node.op in ("Merge", "RefMerge"):
+            live = [i for i in inputs if not i.startswith("^") and not is_dead_input(i)]
+            if len(live) == 1 and len(live) != len([i for i in inputs if not i.startswith("^")]):
+                _make_identity(node, live[0], [i for i in inputs if i.startswith("^")])
+                keep.append(node)
+                continue
+        if node.name in taken:
+            _make_identity(node, inputs[0], [i for i in inputs if i.startswith("^")] + [f"^{_split_input(inputs[1])[0]}"])
+            keep.append(node)
+            continue
+        del node.input[:]
+        node.input.extend(inputs)
+        keep.append(node)
+    for node in keep:  # consumers of a folded Switch's taken port read the Identity
+        for i, inp in enumerate(node.input):
+            src, port, control = _split_input(inp)
+            if not control and src in taken and port != "0":
+                node.input[i] = src
+    return keep
+
+
+def _make_identity(node, data: str, controls: list[str]) -> None:
+    from tensorflow.core.framework import attr_value_pb2
+
+    dtype = node.attr["T"].type
+    node.op = "Identity"
+    node.ClearField("attr")
+    node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype))
+    del node.input[:]
+    node.input.extend([data] + controls)

@@ -22,6 +22,7 @@ _EXPORTS = {
         "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
         "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
         "WeightsError", "ParityFailedError", "UnsafeModelError", "RunTimeoutError", "DeclaredSizeError",
+        "ConversionError",
     ),
     "policy_export.policy.spec": (
         "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",

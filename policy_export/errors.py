@@ -67,6 +67,12 @@ class ExportError(PolicyExportError):
     """A format could not be written, or the output location cannot be used."""
 
 
+class ConversionError(ExportError):
+    """A converter cannot make one format of this policy (tf2onnx fails on an op, the ONNX checker
+    refuses the model...). The export still writes and proves the other formats and records this
+    one under ``missing`` in the manifest."""
+
+
 class ExportExistsError(ExportError):
     """The output directory already holds an export and overwriting was not asked for."""
 

@@ -202,22 +202,38 @@ def test_frozen_graph_writer_falls_back_to_tf_freezing_when_the_skeleton_cannot_
 # ------------------------------------------------------------- 2. ONNX: only the deterministic model converts
 
 
-@pytest.mark.parametrize("formats", [["onnx"], ["onnx", "onnx_deterministic"]])
-def test_onnx_named_explicitly_fails_with_the_full_models_conversion_error(formats, tmp_path):
-    """The full signature does not convert (qint8 in the sampling path) but the deterministic
-    outputs do (``convert_both``'s fallback); naming ``onnx`` then fails the export with the full
-    model's conversion error, an ExportError (CLI exit 2), and nothing is left behind."""
+def test_onnx_alone_that_cannot_be_made_fails_with_the_conversion_error(tmp_path):
+    """The full signature does not convert (qint8 in the sampling path): asked for ``onnx`` alone,
+    no format can be written, so the export fails with the converter's error, an ExportError
+    (CLI exit 2), and nothing is left behind."""
     from policy_export import ExportError, export_policy
 
     policy = _exploring_policy(_qint8_noise_sample)
     out = tmp_path / "x"
     with pytest.raises(ExportError) as info:
-        export_policy(policy, out, formats=formats, opset=17, samples=8, explore_samples=0, device="cpu")
+        export_policy(policy, out, formats=["onnx"], opset=17, samples=8, explore_samples=0, device="cpu")
     policy.close()
-    assert str(info.value) == "ONNX conversion (tf2onnx, opset 17) failed: KeyError: tf.qint8"
+    assert str(info.value) == "no format could be written: onnx: ONNX conversion (tf2onnx, opset 17) failed: KeyError: tf.qint8"
     assert info.value.exit_code == 2
     assert not out.exists()
     assert _leftovers(tmp_path, set()) == []  # no staging directory, no lock file
+
+
+def test_a_format_that_cannot_be_made_is_missing_and_the_others_are_written(tmp_path):
+    """With ``onnx_deterministic`` beside it, the export is written and proven without
+    ``model.onnx``, which the manifest records under ``missing`` with the converter's error."""
+    from policy_export import export_policy, verify_export
+
+    policy = _exploring_policy(_qint8_noise_sample)
+    out = tmp_path / "x"
+    result = export_policy(policy, out, formats=["onnx", "onnx_deterministic"], opset=17, samples=8,
+                           explore_samples=0, device="cpu")
+    policy.close()
+    assert result.missing == {"onnx": "ONNX conversion (tf2onnx, opset 17) failed: KeyError: tf.qint8"}
+    assert not result.complete and result.manifest["missing"] == result.missing
+    assert set(result.formats) == {"onnx_deterministic"} and not (out / "model.onnx").exists()
+    assert (out / "model_deterministic.onnx").is_file() and result.parity.passed
+    assert verify_export(out, device="cpu").passed
 
 
 def test_only_the_deterministic_onnx_model_is_written_when_the_full_signature_does_not_convert(tmp_path):

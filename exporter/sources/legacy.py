@@ -359,6 +359,10 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
         serving = rewrite_serving(RecurrentServing(graph, session, serving_in, serving_out))
         serving_in, serving_out, sequence_graph = serving.inputs, serving.outputs, serving.sequence_graph
 
+    deterministic = None
+    if EXPLORE in inputs and not state_in:
+        deterministic = deterministic_copy(graph, inputs[EXPLORE].op.name,
+                                           {action_key(i): outputs[k] for i, k in enumerate(action_keys)})
     obs_t = {k: serving_in[k] for k in obs}
     obs_space = _observation_space(obs_t, observation_space)
     actions = [serving_out[action_key(i)] for i in range(len(action_keys))]
@@ -377,8 +381,58 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
         seq_lens=serving_in.get(SEQ_LENS), prev_action=serving_in.get(PREV_ACTION),
         prev_reward=serving_in.get(PREV_REWARD),
         extra_fetches={k: serving_out[k] for k in extras}, name=path.name, sequence_graph=sequence_graph,
+        deterministic_outputs=deterministic,
     )
     return policy, mapping
+
+
+def deterministic_copy(graph: tf.Graph, switch: str, fetch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor] | None:
+    """``fetch`` (key -> tensor) recomputed with the exploration switch ``switch`` fixed to false:
+    a copy of the nodes they need, imported under ``deterministic/``, with the untaken side of
+    every ``tf.cond`` on the switch removed (:func:`exporter.tfgraph.fold_constant_switches`) and
+    the variable updates the outputs do not read left out. The copy reads the original graph's
+    variables and inputs, so it always computes what the session computes with ``explore``
+    false; it is what ``model_deterministic.onnx`` holds when RLlib's sampling branch does not
+    convert. ``None`` when no ``tf.cond`` depends on the switch."""
+    from policy_export.exporter.tfgraph import drop_write_only_updates, fold_constant_switches, pin_bool
+
+    graph_def = graph.as_graph_def()
+    nodes = sorted({t.op.name for t in fetch.values()})
+    graph_def = tf1.graph_util.extract_sub_graph(graph_def, nodes)
+    pin_bool(graph_def, switch, False)
+    if not fold_constant_switches(graph_def):
+        return None
+    graph_def, _ = drop_write_only_updates(graph_def, nodes)
+    shared = {n.name for n in graph_def.node if n.op in VARIABLE_OPS or n.op in ("Placeholder", "PlaceholderWithDefault")}
+    copy = tf1.GraphDef()
+    copy.versions.CopyFrom(graph_def.versions)
+    copy.library.CopyFrom(graph_def.library)
+    for node in graph_def.node:
+        if node.name in shared:
+            continue
+        added = copy.node.add()
+        added.CopyFrom(node)
+        if node.op in ("Enter", "RefEnter"):  # loops of the copy are frames of their own
+            added.attr["frame_name"].s = b"deterministic/" + node.attr["frame_name"].s
+    input_map = {}
+    for node in copy.node:
+        for inp in node.input:
+            src = inp.lstrip("^").split(":")[0]
+            if src in shared:
+                key = inp if inp.startswith("^") else (inp if ":" in inp else f"{inp}:0")
+                input_map[key] = graph.get_operation_by_name(src) if inp.startswith("^") else \
+                    graph.get_tensor_by_name(key)
+    controls = {k: v for k, v in input_map.items() if k.startswith("^")}
+    for node in copy.node:  # control edges to shared nodes are dropped: they only order reads
+        keep = [i for i in node.input if i not in controls]
+        del node.input[:]
+        node.input.extend(keep)
+    names = [t.name for t in fetch.values()]
+    with graph.as_default():
+        tensors = tf.graph_util.import_graph_def(copy, input_map={k: v for k, v in input_map.items()
+                                                                  if not k.startswith("^")},
+                                                 return_elements=names, name="deterministic")
+    return dict(zip(fetch, tensors))
 
 
 def _identity(graph: tf.Graph, tensor: tf.Tensor, name: str) -> tf.Tensor:

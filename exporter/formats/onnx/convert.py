@@ -34,7 +34,7 @@ from policy_export.exporter.compat import import_onnx
 onnx = import_onnx()
 from onnx import helper, numpy_helper  # noqa: E402
 
-from policy_export.errors import ExportError  # noqa: E402
+from policy_export.errors import ConversionError, ExportError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Converted:
         (:func:`exporter.formats.onnx.model.save`), so that one weight at a time is in memory."""
         model = getattr(self, which)
         if model is None and which == "full" and self.full_error:
-            raise ExportError(self.full_error)
+            raise ConversionError(self.full_error)
         if model is None:
             raise ExportError(f"the {which} ONNX model is not available (taken already, or not converted)")
         setattr(self, which, None)
@@ -137,8 +137,9 @@ def convert_both(ctx) -> Converted:
     sig = ctx.signature
     det = build_deterministic_signature(ctx.policy)
     full_error = ""
+    converted, aliases = _union_outputs(sig, det)
     try:
-        model, nchw, route, weights = _convert(ctx, sig, _union_outputs(sig, det))
+        model, nchw, route, weights = _convert(ctx, sig, converted)
         pairs = [(outputs_key(sig, det, k), k) for k in det.outputs] if det is not None else []
     except ExportError as e:
         if det is None:
@@ -149,7 +150,8 @@ def convert_both(ctx) -> Converted:
         pairs = [(DETERMINISTIC_PREFIX + k, k) for k in det.outputs]
     # split first, weights after: each model gets its weights from the session when it is taken,
     # so at most one model's weights are in memory at a time
-    full = None if full_error else prune(model, [(k, k) for k in sig.outputs], sig.contract, sig.contract, set(weights))
+    full = None if full_error else prune(model, [(aliases.get(k, k), k) for k in sig.outputs], sig.contract,
+                                         sig.contract, set(weights))
     deterministic = prune(model, pairs, det.contract, sig.contract, set(weights)) if det is not None else None
     del model
     return Converted(full, deterministic, route, nchw, len(weights), session=ctx.policy.session, weight_tensors=weights,
@@ -187,16 +189,21 @@ def outputs_key(sig, det, key: str) -> str:
     return same[0] if same else DETERMINISTIC_PREFIX + key
 
 
-def _union_outputs(sig, det) -> dict[str, str]:
-    """Tensor name -> converted name, for every signature output and every deterministic output."""
+def _union_outputs(sig, det) -> tuple[dict[str, str], dict[str, str]]:
+    """Tensor name -> converted name, for every signature output and every deterministic output;
+    and the aliases: signature key -> the key converted for the same tensor. (RLlib's DQN
+    signature gives ``q_values`` and ``action_dist_inputs`` one tensor; a converter names each
+    tensor once, so the second key becomes an ``Identity`` of the first in the model.)"""
     outputs: dict[str, str] = {}
+    aliases: dict[str, str] = {}
     for key, tensor in sig.outputs.items():
         if tensor.name in outputs:
-            raise ExportError("two signature outputs are the same tensor; give each its own tensor (tf.identity)")
+            aliases[key] = outputs[tensor.name]
+            continue
         outputs[tensor.name] = key
     for key, tensor in (det.outputs.items() if det is not None else ()):
         outputs.setdefault(tensor.name, DETERMINISTIC_PREFIX + key)
-    return outputs
+    return outputs, aliases
 
 
 def _tf2onnx(ctx, graph_def, sig, outputs: Mapping[str, str], weight_inputs: list[str]):
@@ -213,7 +220,7 @@ def _tf2onnx(ctx, graph_def, sig, outputs: Mapping[str, str], weight_inputs: lis
             inputs_as_nchw=[inputs[k] for k in nchw] or None,
         )
     except Exception as e:  # tf2onnx raises many kinds; say which stage failed
-        raise ExportError(f"ONNX conversion (tf2onnx, opset {ctx.opset}) failed: {type(e).__name__}: {e}") from e
+        raise ConversionError(f"ONNX conversion (tf2onnx, opset {ctx.opset}) failed: {type(e).__name__}: {e}") from e
     return model, nchw
 
 

@@ -31,7 +31,7 @@ from policy_export.exporter.formats.onnx.convert import names_read, onnx_models
 from policy_export.exporter.protowire import header
 from policy_export.exporter.formats.runner import Runner, TensorMeta
 from policy_export.policy import jsonio
-from policy_export.errors import DeclaredSizeError, ExportError  # noqa: F401 (DeclaredSizeError: raised here)
+from policy_export.errors import ConversionError, DeclaredSizeError, ExportError  # noqa: F401 (DeclaredSizeError: raised here)
 from policy_export.signatures.contract import Contract
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def check_saved(target: Path) -> None:
     try:
         onnx.checker.check_model(str(target), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise ExportError(f"the ONNX model fails onnx.checker: {e}") from e
+        raise ConversionError(f"the ONNX model fails onnx.checker: {e}") from e
 
 
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
