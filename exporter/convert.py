@@ -109,7 +109,9 @@ def _convert_legacy(path, out, source: SourceOptions, proto, opts: ExportOptions
     with (opts.progress or SILENT).stage("load SavedModel"):
         policy, record = load_saved_model_policy(path, source.signature_key, source.tag, opts.device, source.state_pairs,
                                                  source.observation_space, source.action_space, proto=proto)
-    if EXPLORE in record:
+    if EXPLORE in record and "refused" in record[EXPLORE]:
+        log.warning("explore refused: %s", record[EXPLORE]["refused"])
+    elif EXPLORE in record:
         log.info("the hidden exploration switch %s (default %s) is the 'explore' input, default false",
                  record[EXPLORE]["from"], record[EXPLORE]["original_default"])
     described = {"converted_from": str(Path(path).absolute()), "signature": source.signature_key, "tag": source.tag,

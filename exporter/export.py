@@ -227,6 +227,10 @@ class _Export:
             doc["source"] = dict(self.opts.source)
         if self.missing:
             doc["missing"] = dict(self.missing)
+        if getattr(self.policy, "explore_refused", None):
+            doc["explore_refused"] = self.policy.explore_refused
+        if getattr(self.policy, "unused_inputs", None):
+            doc["unused_inputs"] = list(self.policy.unused_inputs)  # left out: no output reads them
         doc["files"] = manifest.file_records(stage)  # hashed once, with everything in place
         manifest.write_manifest(stage, doc)
         return doc

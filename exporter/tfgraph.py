@@ -15,7 +15,7 @@ tf1 = tf.compat.v1
 def freeze(policy, signature) -> tf1.GraphDef:
     """Fold the session's variables into constants, keeping only what the outputs need (variable
     updates no output reads left out: :func:`drop_write_only_updates`), then rewrite the ops ONNX
-    converters get wrong (:func:`replace_sparse_softmax_cross_entropy`)."""
+    converters get wrong or do not know (:func:`converter_rewrites`)."""
     return freeze_tensors(policy, [t.name for t in signature.outputs.values()])
 
 
@@ -28,7 +28,7 @@ def freeze_tensors(policy, tensor_names: list[str]) -> tf1.GraphDef:
             frozen = tf1.graph_util.convert_variables_to_constants(policy.session, graph_def, output_nodes)
     except (tf.errors.OpError, ValueError, AssertionError) as e:
         raise ExportError(f"freezing the policy graph failed: {e}") from e
-    return replace_sparse_softmax_cross_entropy(frozen)
+    return converter_rewrites(frozen)
 
 
 XENT_OP = "SparseSoftmaxCrossEntropyWithLogits"
@@ -58,25 +58,35 @@ def replace_sparse_softmax_cross_entropy(graph_def: tf1.GraphDef) -> tf1.GraphDe
             targets[op.name] = (int(classes), op.inputs[0].dtype, op.inputs[1].dtype)
     if not targets:
         return graph_def
+    return _replace_nodes(graph_def, {name: (lambda node, t=t: (_xent_nodes(*t), {"logits": node.input[0],
+                                                                                 "labels": node.input[1]}))
+                                      for name, t in targets.items()})
+
+
+def _replace_nodes(graph_def: tf1.GraphDef, makers: dict) -> tf1.GraphDef:
+    """A copy of ``graph_def`` where each node named in ``makers`` is replaced by the nodes
+    ``makers[name](node)`` returns: ``(nodes, inputs)``, the replacement's NodeDefs (its output
+    node named ``out``) over placeholders named by ``inputs`` (placeholder name -> the tensor of
+    ``graph_def`` it stands for). The output node takes the replaced node's name, so its
+    consumers are unchanged; the others are put under ``<name>/onnx_safe/``."""
     out = tf1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
     out.library.CopyFrom(graph_def.library)
     for node in graph_def.node:
-        if node.name not in targets:
+        if node.name not in makers:
             out.node.add().CopyFrom(node)
             continue
-        classes, dtype, label_dtype = targets[node.name]
-        logits, labels = node.input[0], node.input[1]
-        for new in _xent_nodes(classes, dtype, label_dtype):
+        nodes, mapping = makers[node.name](node)
+        for new in nodes:
             added = out.node.add()
             added.CopyFrom(new)
-            added.name = node.name if new.name == "loss" else f"{node.name}/onnx_safe/{new.name}"
+            added.name = node.name if new.name in ("loss", "out") else f"{node.name}/onnx_safe/{new.name}"
             added.device = node.device
             del added.input[:]
             for inp in new.input:
                 ctrl, name = ("^", inp[1:]) if inp.startswith("^") else ("", inp)
                 base = name.split(":")[0]
-                mapped = {"logits": logits, "labels": labels}.get(base)
+                mapped = mapping.get(base)
                 added.input.append(ctrl + (mapped if mapped else f"{node.name}/onnx_safe/{name}"))
     return out
 
@@ -90,6 +100,177 @@ def _xent_nodes(classes: int, dtype: tf.DType, label_dtype: tf.DType) -> list:
         picked = tf.one_hot(labels, classes, dtype=dtype) * tf.nn.log_softmax(logits)
         tf.negative(tf.reduce_sum(picked, axis=-1), name="loss")
     return [n for n in scratch.as_graph_def().node if n.name not in ("logits", "labels")]
+
+
+def converter_rewrites(graph_def: tf1.GraphDef) -> tf1.GraphDef:
+    """The rewrites ONNX converters need, each computing exactly what it replaces: the
+    cross-entropy (:func:`replace_sparse_softmax_cross_entropy`), ``BroadcastArgs``
+    (:func:`replace_broadcast_args`) and RLlib's schedule loops (:func:`replace_schedule_loops`)."""
+    return replace_schedule_loops(replace_broadcast_args(replace_sparse_softmax_cross_entropy(graph_def)))
+
+
+def replace_broadcast_args(graph_def: tf1.GraphDef) -> tf1.GraphDef:
+    """Each ``BroadcastArgs(s0, s1)`` (TF Probability's samplers use it; no ONNX converter knows it)
+    as ``Shape(Fill(s0, 0) + Fill(s1, 0))``: the broadcast shape, by broadcasting two zero tensors
+    of those shapes (a policy's are batch x action size)."""
+    targets = {n.name: n.attr["T"].type for n in graph_def.node if n.op == "BroadcastArgs"}
+    if not targets:
+        return graph_def
+    return _replace_nodes(graph_def, {name: (lambda node, t=t: (_broadcast_args_nodes(tf.as_dtype(t)),
+                                                                {"s0": node.input[0], "s1": node.input[1]}))
+                                      for name, t in targets.items()})
+
+
+def _broadcast_args_nodes(dtype: tf.DType) -> list:
+    scratch = tf.Graph()
+    with scratch.as_default():
+        s0 = tf1.placeholder(dtype, (None,), name="s0")
+        s1 = tf1.placeholder(dtype, (None,), name="s1")
+        zero = tf.constant(0, tf.int8)
+        tf.shape(tf.fill(s0, zero) + tf.fill(s1, zero), out_type=dtype, name="out")
+    return [n for n in scratch.as_graph_def().node if n.name not in ("s0", "s1")]
+
+
+_PASS_THROUGH = {"Identity", "ReadVariableOp", "Enter", "Cast"}
+
+
+def replace_schedule_loops(graph_def: tf1.GraphDef) -> tf1.GraphDef:
+    """Each TF1 while loop that finds a schedule's segment, as the closed form of the same index.
+
+    RLlib's ``PiecewiseSchedule`` (epsilon-greedy's epsilon, Gaussian noise's scale) looks its
+    segment up with a ``tf.while_loop`` over ``(i, t)``: ``i`` from 0 while ``not (E[i+1] == -1 or
+    E[i] <= t < E[i+1])``, ``E`` its constant endpoints closed by -1; tf2onnx cannot convert such
+    loops. A loop qualifies when it has two variables, a counter from 0 stepping by 1 and a ``t``
+    that every iteration reads from the same source, when its only loop-invariant input beside
+    those is a constant 1-D integer ``E`` ending in -1, and when only the counter's exit is read.
+    The closed form ``where(t < E[0], n-1, sum(E[1:n] <= t))`` (``n = len(E) - 1``) replaces
+    that exit only after it gives the loop's own index for ``t`` at and around every endpoint,
+    run by TensorFlow; any other loop is left as it is.
+    """
+    frames: dict[str, list] = {}
+    for node in graph_def.node:
+        if node.op == "Enter":
+            frames.setdefault(node.attr["frame_name"].s.decode(), []).append(node)
+    if not frames:
+        return graph_def
+    nodes = {n.name: n for n in graph_def.node}
+    consumers: dict[str, list] = {}
+    for node in graph_def.node:
+        for inp in node.input:
+            consumers.setdefault(inp.lstrip("^").split(":")[0], []).append(node)
+    makers = {}
+    for enters in frames.values():
+        found = _schedule_loop(enters, nodes, consumers, graph_def)
+        if found is not None:
+            exit_name, endpoints, t_name = found
+            makers[exit_name] = (lambda node, e=endpoints, t=t_name, d=nodes[exit_name].attr["T"].type:
+                                 (_segment_index_nodes(e, tf.as_dtype(d)), {"t": t}))
+    return _replace_nodes(graph_def, makers) if makers else graph_def
+
+
+def _source(name: str, nodes: dict) -> str:
+    """The node a tensor is read from, through identities, variable reads, casts and Enters."""
+    base = name.lstrip("^").split(":")[0]
+    while base in nodes and nodes[base].op in _PASS_THROUGH and nodes[base].input:
+        base = nodes[base].input[0].split(":")[0]
+    return base
+
+
+def _schedule_loop(enters: list, nodes: dict, consumers: dict, graph_def) -> tuple[str, list[int], str] | None:
+    import numpy as np
+
+    merges = [m for e in enters for m in consumers.get(e.name, []) if m.op == "Merge"]
+    if len(merges) != 2:
+        return None
+    counter = t_merge = None
+    for merge in merges:
+        init = nodes.get(merge.input[0].split(":")[0])
+        outer = nodes.get(init.input[0].split(":")[0]) if init is not None else None
+        if outer is not None and outer.op == "Const" and outer.attr["value"].tensor.dtype in (3, 9) \
+                and tf.make_ndarray(outer.attr["value"].tensor).shape == () \
+                and int(tf.make_ndarray(outer.attr["value"].tensor)) == 0:
+            counter = merge
+        else:
+            t_merge = merge
+    if counter is None or t_merge is None:
+        return None
+    nxt = {m.name: nodes.get(m.input[1].split(":")[0]) for m in merges}
+    t_init = nodes[t_merge.input[0].split(":")[0]].input[0]
+    if nxt[t_merge.name] is None or _source(nxt[t_merge.name].input[0], nodes) != _source(t_init, nodes):
+        return None
+    exits = {m.name: [x for sw in consumers.get(m.name, []) if sw.op == "Switch"
+                      for x in consumers.get(sw.name, []) if x.op == "Exit"] for m in merges}
+    if len(exits[counter.name]) != 1 or any(consumers.get(x.name) for x in exits[t_merge.name]):
+        return None
+    source = _source(t_init, nodes)
+    invariant = [e for e in enters if e.attr["is_constant"].b and _source(e.input[0], nodes) != source
+                 and _constant(e.input[0], nodes)]
+    if len(invariant) != 1:
+        return None
+    endpoints = _evaluate(graph_def, [invariant[0].input[0]])[0]
+    if endpoints.ndim != 1 or endpoints.size < 2 or endpoints[-1] != -1 or \
+            not np.issubdtype(endpoints.dtype, np.integer):
+        return None
+    exit_node = exits[counter.name][0]
+    points = [int(v) for v in endpoints[:-1]]
+    probes = sorted({0, *(p + d for p in points for d in (-1, 0, 1)), points[-1] + 10**6})
+    try:
+        loop = [_evaluate(graph_def, [exit_node.name + ":0"], {source: p})[0] for p in probes]
+    except Exception:  # noqa: BLE001  (a loop TensorFlow cannot run so is not this one)
+        return None
+    closed = [_segment_index(points, p) for p in probes]
+    if [int(v) for v in loop] != closed:
+        return None
+    return exit_node.name, points, t_init
+
+
+def _segment_index(points: list[int], t: int) -> int:
+    n = len(points)
+    return n - 1 if t < points[0] else sum(1 for p in points[1:] if p <= t)
+
+
+def _segment_index_nodes(points: list[int], dtype: tf.DType) -> list:
+    scratch = tf.Graph()
+    with scratch.as_default():
+        t = tf1.placeholder(tf.int64, (), name="t")
+        e = tf.constant(points, tf.int64)
+        n = len(points)
+        found = tf.reduce_sum(tf.cast(e[1:] <= t, tf.int64))
+        tf.identity(tf.cast(tf.where(t < e[0], tf.constant(n - 1, tf.int64), found), dtype), name="out")
+    return [x for x in scratch.as_graph_def().node if x.name != "t"]
+
+
+def _constant(name: str, nodes: dict) -> bool:
+    """Whether tensor ``name`` is computed from constants alone."""
+    todo, seen = [name.lstrip("^").split(":")[0]], set()
+    while todo:
+        base = todo.pop()
+        if base in seen:
+            continue
+        seen.add(base)
+        node = nodes.get(base)
+        if node is None or node.op in ("Placeholder", "PlaceholderWithDefault", "VarHandleOp", "VariableV2",
+                                       "Variable", "Enter", "Merge") or "Random" in node.op:
+            return False
+        todo.extend(i.lstrip("^").split(":")[0] for i in node.input)
+    return True
+
+
+def _evaluate(graph_def, tensors: list[str], feeds: dict | None = None) -> list:
+    """Run ``tensors`` of ``graph_def`` in a scratch session (``feeds``: tensor name -> value)."""
+    import numpy as np
+
+    names = sorted({t.split(":")[0] for t in tensors})
+    sub = tf1.graph_util.extract_sub_graph(graph_def, names)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(sub, name="")
+    with tf1.Session(graph=graph) as sess:
+        fed = {}
+        for k, v in (feeds or {}).items():
+            tensor = graph.get_tensor_by_name(k if ":" in k else k + ":0")
+            fed[tensor] = np.asarray(v, tensor.dtype.as_numpy_dtype)
+        return sess.run([t if ":" in t else t + ":0" for t in tensors], fed)
 
 
 _VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
@@ -138,13 +319,35 @@ def skeleton(policy, output_nodes: list[str]):
     missing = [n for n in variables if f"{n}:0" not in weights]
     if missing:
         raise NoSkeleton(f"variables {missing} are never read")
-    return replace_sparse_softmax_cross_entropy(graph_def), weights
+    return converter_rewrites(graph_def), weights
 
 
 # ---------------------------------------------------------------------------- state updates, dead branches
 
 ASSIGN_OPS = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Assign", "AssignAdd", "AssignSub"}
 _READ_OPS = {"ReadVariableOp", "Identity", "ResourceGather"}
+
+
+def exploration_state(tensors: list) -> list[str]:
+    """The variables that computing ``tensors`` (of a ``tf.Graph``) both writes and reads: state
+    kept between calls, such as DDPG's Ornstein-Uhlenbeck noise. A variable only written (the
+    timestep RLlib's exploration records) is not state the outputs depend on."""
+    seen: set[str] = set()
+    todo = [t.op for t in tensors]
+    written: set[str] = set()
+    read: set[str] = set()
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in ASSIGN_OPS:
+            written.add(op.inputs[0].op.name)
+        elif op.type in _READ_OPS and op.inputs and op.inputs[0].op.type in _VARIABLE_OPS:
+            read.add(op.inputs[0].op.name)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return sorted(written & read)
 
 
 def _split_input(name: str) -> tuple[str, str, bool]:

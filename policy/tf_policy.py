@@ -118,6 +118,8 @@ class TFPolicy:
         self.model_io = model_io
         self.raw_actions = list(raw_actions) if raw_actions is not None else None
         self.name = name
+        # why the export serves no exploring path, when a source could not make one stateless
+        self.explore_refused: str | None = None
 
         self.inputs = _inputs(observations, state_inputs, state_outputs, seq_lens, prev_action, prev_reward,
                               explore, is_training, timestep, extra_inputs)
@@ -126,6 +128,7 @@ class TFPolicy:
 
         self.outputs = self._outputs(sampled_action, state_outputs, action_dist_inputs, action_logp, action_prob,
                                      extra_fetches)
+        self.unused_inputs = self._drop_unused_inputs([PREV_ACTION, PREV_REWARD, *(extra_inputs or {})])
         self.defaults: dict[str, np.ndarray] = self._read_defaults()
         if image_inputs is None:
             image_inputs = [k for k, t in self.inputs.items() if t.shape.rank == 4 and t.dtype == tf.uint8]
@@ -134,6 +137,16 @@ class TFPolicy:
             raise PolicyExportError(f"image_inputs {unknown} are not rank-4 (batch, H, W, C) inputs of the policy")
         self.image_inputs = list(image_inputs)
         self._variables = self._weight_variables()
+
+    def _drop_unused_inputs(self, optional: list[str]) -> list[str]:
+        """Leave out the ``optional`` inputs no output reads (RLlib's signatures carry
+        prev_action/prev_reward for every model): a client feeding what the policy needs must not
+        fail for them. Returns their keys."""
+        unused = _unused_inputs({k: t for k, t in self.inputs.items() if k in optional},
+                                [*self.outputs.values(), *(self.deterministic_outputs or {}).values()])
+        for key in unused:
+            del self.inputs[key]
+        return unused
 
     def _outputs(self, sampled_action, state_outputs, action_dist_inputs, action_logp, action_prob,
                  extra_fetches) -> dict[str, tf.Tensor]:
@@ -442,6 +455,24 @@ def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:
 
 def _fmt_shape(dims: Sequence[int | None]) -> str:
     return "[" + ", ".join("batch" if d is None else str(d) for d in dims) + "]"
+
+
+def _unused_inputs(inputs: Mapping[str, tf.Tensor], outputs: Sequence[tf.Tensor]) -> list[str]:
+    """The keys of ``inputs`` that no tensor of ``outputs`` depends on, through data or control
+    edges (while loops included)."""
+    candidates = {t.op.name: key for key, t in inputs.items()}
+    if not candidates:
+        return []
+    seen: set[str] = set()
+    todo = [t.op for t in outputs]
+    while todo and len(seen & candidates.keys()) < len(candidates):
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return sorted(key for name, key in candidates.items() if name not in seen)
 
 
 # mirrors RLlib's TFPolicy constructor: its input tensors by name

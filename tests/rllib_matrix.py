@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -152,9 +153,12 @@ def run_case(route: str, name: str, work: Path) -> dict[str, Any]:
     try:
         result = convert_case(route, name, out)
     except PolicyExportError as e:
-        row["failed"] = str(e)
+        row["failed"] = re.sub(r"\S*\.partial/", "", str(e))  # the staging folder's name says nothing
         return row
     row["missing"] = result.manifest.get("missing", {})
+    row["unused_inputs"] = result.manifest.get("unused_inputs", [])
+    row["explore_refused"] = result.manifest.get("source", {}).get("explore", {}).get("refused")
+    row["inputs"] = [i["key"] for i in result.manifest["contract"]["inputs"]]
     row["formats"] = check_formats(out, expected)
     return row
 

@@ -214,6 +214,25 @@ def test_wrapping_a_hand_built_session():
         policy.compute_actions(x, explore=True)
 
 
+def test_optional_inputs_no_output_reads_are_left_out():
+    """prev_action is read by the logits, prev_reward and an extra input by nothing: only the first stays."""
+    graph = tf.Graph()
+    with graph.as_default():
+        obs = tf1.placeholder(tf.float32, (None, 3), name="obs")
+        prev_action = tf1.placeholder(tf.int64, (None,), name="prev_action")
+        prev_reward = tf1.placeholder(tf.float32, (None,), name="prev_reward")
+        unread = tf1.placeholder(tf.float32, (None, 2), name="unread")
+        logits = tf.concat([obs, tf.one_hot(prev_action, 2)], axis=1)[:, :2]
+        action = tf.argmax(logits, axis=1)
+        sess = tf1.Session(graph=graph)
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    policy = TFPolicy(space, gym.spaces.Discrete(2), sess, observations=obs, sampled_action=action,
+                      action_dist_inputs=logits, prev_action=prev_action, prev_reward=prev_reward,
+                      extra_inputs={"unread": unread})
+    assert list(policy.inputs) == ["observations", "prev_action"]
+    assert policy.unused_inputs == ["prev_reward", "unread"]
+
+
 @pytest.mark.parametrize("name", ["pendulum_mlp", "dict_image_vector", "cartpole_lstm"])
 def test_weights_from_a_seed_are_reproducible(name):
     spec = dataclasses.replace(load_spec(FIXTURES_DIR / name), weights=None)

@@ -45,7 +45,7 @@ from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.builder import find_signature
 from policy_export.signatures.keys import (
-    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, action_key, is_observation, state_in_key, state_out_key,
+    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, action_key, is_action, is_observation, state_in_key, state_out_key,
 )
 
 tf1 = tf.compat.v1
@@ -300,7 +300,9 @@ def _source_record(pruned: "PrunedGraph", policy, mapping: dict[str, str], obs_g
               "pruned": {"nodes_before": pruned.nodes_before, "nodes_after": pruned.nodes_after,
                          "dropped_collections": pruned.dropped_collections},
               "spaces": _spaces_record(policy, obs_given, act_given)}
-    if pruned.explore_switch is not None:
+    if getattr(policy, "explore_refused", None):
+        source[EXPLORE] = {"from": pruned.explore_switch, "refused": policy.explore_refused}
+    elif pruned.explore_switch is not None:
         source[EXPLORE] = {"from": pruned.explore_switch, "in_source_signature": False,
                              "original_default": pruned.explore_original_default, "default": False}
         mapping[EXPLORE] = f"{pruned.explore_switch}:0"
@@ -363,6 +365,9 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
     if EXPLORE in inputs and not state_in:
         deterministic = deterministic_copy(graph, inputs[EXPLORE].op.name,
                                            {action_key(i): outputs[k] for i, k in enumerate(action_keys)})
+    explore_refused = _refuse_stateful_exploration(serving_in, serving_out, deterministic)
+    if explore_refused:
+        deterministic = None
     obs_t = {k: serving_in[k] for k in obs}
     obs_space = _observation_space(obs_t, observation_space)
     actions = [serving_out[action_key(i)] for i in range(len(action_keys))]
@@ -380,10 +385,35 @@ def _build_policy(path: Path, graph: tf.Graph, session: tf1.Session, inputs: dic
         state_outputs=[serving_out[state_out_key(i)] for i in range(n_state)],
         seq_lens=serving_in.get(SEQ_LENS), prev_action=serving_in.get(PREV_ACTION),
         prev_reward=serving_in.get(PREV_REWARD),
-        extra_fetches={k: serving_out[k] for k in extras}, name=path.name, sequence_graph=sequence_graph,
-        deterministic_outputs=deterministic,
+        extra_fetches={k: serving_out[k] for k in extras if k in serving_out}, name=path.name,
+        sequence_graph=sequence_graph, deterministic_outputs=deterministic,
     )
+    policy.explore_refused = explore_refused
     return policy, mapping
+
+
+def _refuse_stateful_exploration(serving_in: dict, serving_out: dict, deterministic) -> str | None:
+    """Exploration that keeps state between calls (DDPG's Ornstein-Uhlenbeck noise) cannot be
+    served statelessly: the actions become RLlib's deterministic path, the ``explore`` input and
+    the outputs that read the state go (``serving_in``/``serving_out`` are changed in place).
+    Returns the reason, or ``None`` when the serving path keeps no state."""
+    from policy_export.exporter.tfgraph import exploration_state
+
+    stateful = exploration_state(list(serving_out.values()))
+    if not stateful or deterministic is None:
+        return None
+    for key in [k for k in serving_out if is_action(k)]:
+        serving_out[key] = deterministic[key]
+    for key in [k for k, t in serving_out.items() if not is_action(k) and exploration_state([t])]:
+        del serving_out[key]
+    serving_in.pop(EXPLORE, None)
+    return refused_reason(stateful)
+
+
+def refused_reason(state: list[str]) -> str:
+    return (f"exploration keeps state between calls (the serving path reads and writes {', '.join(state)}: "
+            "Ornstein-Uhlenbeck noise, say), which a stateless export cannot carry; it serves the "
+            "deterministic path only")
 
 
 def deterministic_copy(graph: tf.Graph, switch: str, fetch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor] | None:

@@ -38,6 +38,8 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.errors import ExportError, InputError, PolicyExportError
+from policy_export.exporter.sources.legacy import deterministic_copy, refused_reason
+from policy_export.exporter.tfgraph import exploration_state
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import (
     ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, TIMESTEP, TFPolicy,
@@ -84,12 +86,20 @@ def from_rllib(policy: Any, *, observation_space: gym.Space | None = None, actio
     fixed, defaults = _fixed_inputs(policy, t)
     outputs = _output_tensors(t)
     keep = [x for x in (*t["state_in"], t["seq_lens"], t["prev_action"], t["prev_reward"]) if x is not None]
+    state = exploration_state(outputs)
     graph_def = _freeze(session, outputs + keep + [t["obs"]])
 
     graph, new_inputs, obs, explore, is_training, timestep, w, extra = _import_frozen(
         policy, t, graph_def, outputs + keep, obs_space, flatten, fixed, defaults)
     with graph.as_default():
         deterministic = _deterministic_outputs(policy, act_space, w, extra)
+    refused = None
+    if state:  # exploration with state between calls (DDPG's OU noise): serve the deterministic path
+        refused = refused_reason(state)
+        w["actions"] = _deterministic_actions(graph, explore if t["is_exploring"] is not None else None,
+                                              w["actions"], deterministic, refused)
+        t = {**t, "is_exploring": None}
+        deterministic = None
     sess = tf1.Session(graph=graph, config=session_config(None))
     policy_out = TFPolicy(
         obs_space, act_space, sess, observations=obs, sampled_action=w["actions"],
@@ -100,7 +110,21 @@ def from_rllib(policy: Any, *, observation_space: gym.Space | None = None, actio
         prev_action=w["prev_action"], prev_reward=w["prev_reward"], deterministic_outputs=deterministic,
         name=name or type(policy).__name__,
     )
-    return _one_step(policy_out, _max_seq_len(policy)) if w["state_in"] else policy_out
+    wrapped = _one_step(policy_out, _max_seq_len(policy)) if w["state_in"] else policy_out
+    wrapped.explore_refused = refused
+    return wrapped
+
+
+def _deterministic_actions(graph, explore, actions: list, deterministic, refused: str) -> list:
+    """RLlib's actions with its exploration switch pinned false (or the package's deterministic
+    sample), for a policy whose exploration cannot be served statelessly."""
+    det = deterministic_copy(graph, explore.op.name, {action_key(i): a for i, a in enumerate(actions)}) \
+        if explore is not None else None
+    det = det or deterministic
+    if not det:
+        raise PolicyExportError(refused.replace("it serves the deterministic path only",
+                                                "and no deterministic path could be separated from it"))
+    return [det[action_key(i)] for i in range(len(actions))]
 
 
 def _import_frozen(policy, t: dict[str, Any], graph_def, fetched: list, obs_space, flatten, fixed, defaults):

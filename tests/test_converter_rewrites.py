@@ -1,0 +1,104 @@
+"""The graph rewrites made before ONNX conversion compute exactly what they replace
+(:func:`policy_export.exporter.tfgraph.converter_rewrites`); RLlib's own graphs are checked in
+``tests/test_rllib_algorithms.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from policy_export.exporter import tfgraph
+
+tf1 = tf.compat.v1
+
+
+def _run(graph_def, fetch: str, feeds: dict) -> np.ndarray:
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    with tf1.Session(graph=graph) as sess:
+        return sess.run(fetch, {graph.get_tensor_by_name(k): v for k, v in feeds.items()})
+
+
+def _onnx(graph_def, inputs: list[str], output: str, feeds: dict) -> np.ndarray:
+    import onnxruntime as ort
+    import tf2onnx
+
+    model, _ = tf2onnx.convert.from_graph_def(graph_def, input_names=inputs, output_names=[output], opset=17)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("a,b", [([3, 1], [1, 4]), ([2], [5, 2]), ([1, 1, 6], [7, 1])])
+def test_broadcast_args_becomes_a_shape_of_broadcast_zeros(a, b):
+    graph = tf.Graph()
+    with graph.as_default():
+        s0 = tf1.placeholder(tf.int32, (None,), name="s0")
+        s1 = tf1.placeholder(tf.int32, (None,), name="s1")
+        tf.identity(tf.raw_ops.BroadcastArgs(s0=s0, s1=s1), name="shape")
+    before = graph.as_graph_def()
+    after = tfgraph.converter_rewrites(before)
+    assert "BroadcastArgs" not in {n.op for n in after.node}
+    feeds = {"s0:0": np.array(a, np.int32), "s1:0": np.array(b, np.int32)}
+    want = _run(before, "shape:0", feeds)
+    np.testing.assert_array_equal(_run(after, "shape:0", feeds), want)
+    got = _onnx(after, ["s0:0", "s1:0"], "shape:0", feeds)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture
+def v1_loops():
+    """TF1 while loops (Enter/Exit frames), as RLlib's TF1 graphs hold them."""
+    was = tf1.control_flow_v2_enabled()
+    tf1.disable_control_flow_v2()
+    yield
+    if was:
+        tf1.enable_control_flow_v2()
+
+
+def _segment_loop(endpoints: list[int], values: list[float], outside: float):
+    """A piecewise-linear schedule looked up with a while loop over (i, t), the way RLlib's
+    ``PiecewiseSchedule`` builds it for TF; the graph's ``value:0`` is the schedule's value."""
+    graph = tf.Graph()
+    with graph.as_default():
+        t = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
+        ends = tf.cast(tf.stack(endpoints + [-1]), tf.int64)
+        results = [v0 + tf.cast(t - e0, tf.float32) / float(e1 - e0) * (v1 - v0)
+                   for (e0, v0), (e1, v1) in zip(zip(endpoints, values), zip(endpoints[1:], values[1:]))]
+        results = tf.stack(results + [tf.constant(outside)])
+
+        def cond(i, x):
+            x = tf.cast(x, tf.int64)
+            return tf.logical_not(tf.logical_or(tf.equal(ends[i + 1], -1),
+                                                tf.logical_and(ends[i] <= x, x < ends[i + 1])))
+
+        index = tf1.while_loop(cond, lambda i, x: (i + 1, t), [tf.constant(0, tf.int64), t])[0]
+        tf.identity(results[index], name="value")
+    return graph
+
+
+def test_a_schedule_loop_becomes_its_closed_form_and_converts(v1_loops):
+    graph = _segment_loop([0, 100, 1000], [1.0, 0.5, 0.05], 0.05)
+    before = graph.as_graph_def()
+    after = tfgraph.converter_rewrites(before)
+    assert not {"Enter", "Exit"} & {n.op for n in tf1.graph_util.extract_sub_graph(after, ["value"]).node}
+    pruned = tf1.graph_util.extract_sub_graph(after, ["value"])
+    for t in (0, 1, 50, 99, 100, 101, 500, 999, 1000, 1001, 10**7):
+        feeds = {"timestep:0": np.int64(t)}
+        want = _run(before, "value:0", feeds)
+        assert _run(after, "value:0", feeds) == want
+        np.testing.assert_allclose(_onnx(pruned, ["timestep:0"], "value:0", {"timestep:0": np.array(t, np.int64)}), want,
+                                   rtol=1e-6)
+
+
+def test_another_loop_is_left_as_it_is(v1_loops):
+    graph = tf.Graph()
+    with graph.as_default():
+        t = tf1.placeholder_with_default(np.int64(3), (), name="timestep")
+        tf.identity(tf1.while_loop(lambda i, x: i < x, lambda i, x: (i + 1, x),
+                                   [tf.constant(0, tf.int64), t])[0], name="count")
+    before = graph.as_graph_def()
+    after = tfgraph.converter_rewrites(before)
+    assert [n.name for n in after.node] == [n.name for n in before.node]
+    assert _run(after, "count:0", {"timestep:0": np.int64(7)}) == 7
