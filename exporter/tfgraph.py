@@ -132,6 +132,7 @@ def _broadcast_args_nodes(dtype: tf.DType) -> list:
 
 
 _PASS_THROUGH = {"Identity", "ReadVariableOp", "Enter", "Cast"}
+EVALUATE_TIMEOUT_MS = 10_000  # one probe of a loop at conversion
 
 
 def replace_schedule_loops(graph_def: tf1.GraphDef) -> tf1.GraphDef:
@@ -270,7 +271,9 @@ def _evaluate(graph_def, tensors: list[str], feeds: dict | None = None) -> list:
         for k, v in (feeds or {}).items():
             tensor = graph.get_tensor_by_name(k if ":" in k else k + ":0")
             fed[tensor] = np.asarray(v, tensor.dtype.as_numpy_dtype)
-        return sess.run([t if ":" in t else t + ":0" for t in tensors], fed)
+        # bounded: a loop in a hostile file that never ends must not hang the conversion
+        options = tf1.RunOptions(timeout_in_ms=EVALUATE_TIMEOUT_MS)
+        return sess.run([t if ":" in t else t + ":0" for t in tensors], fed, options=options)
 
 
 _VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}

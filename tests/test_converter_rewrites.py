@@ -102,3 +102,19 @@ def test_another_loop_is_left_as_it_is(v1_loops):
     after = tfgraph.converter_rewrites(before)
     assert [n.name for n in after.node] == [n.name for n in before.node]
     assert _run(after, "count:0", {"timestep:0": np.int64(7)}) == 7
+
+
+def test_a_loop_that_never_ends_is_left_as_it_is_within_the_timeout(v1_loops, monkeypatch):
+    """A schedule-shaped loop whose condition never turns false (a hostile file's) is probed
+    with a deadline, found not to be a schedule, and left alone: the conversion does not hang."""
+    monkeypatch.setattr(tfgraph, "EVALUATE_TIMEOUT_MS", 500)
+    graph = tf.Graph()
+    with graph.as_default():
+        t = tf1.placeholder_with_default(np.int64(0), (), name="timestep")
+        ends = tf.cast(tf.stack([0, 100, -1]), tf.int64)
+        index = tf1.while_loop(lambda i, x: tf.logical_not(tf.equal(ends[0], -1)) | (i < 0),
+                               lambda i, x: (i + 1, t), [tf.constant(0, tf.int64), t])[0]
+        tf.identity(index, name="count")
+    before = graph.as_graph_def()
+    after = tfgraph.converter_rewrites(before)
+    assert [n.name for n in after.node] == [n.name for n in before.node]
