@@ -132,6 +132,7 @@ def _broadcast_args_nodes(dtype: tf.DType) -> list:
 
 
 _PASS_THROUGH = {"Identity", "ReadVariableOp", "Enter", "Cast"}
+_WHILE_OPS = ("While", "StatelessWhile")
 EVALUATE_TIMEOUT_MS = 10_000  # one probe of a loop at conversion
 
 
@@ -152,21 +153,38 @@ def replace_schedule_loops(graph_def: tf1.GraphDef) -> tf1.GraphDef:
     for node in graph_def.node:
         if node.op == "Enter":
             frames.setdefault(node.attr["frame_name"].s.decode(), []).append(node)
-    if not frames:
+    if not frames and not any(n.op in _WHILE_OPS for n in graph_def.node):
         return graph_def
     nodes = {n.name: n for n in graph_def.node}
     consumers: dict[str, list] = {}
     for node in graph_def.node:
         for inp in node.input:
             consumers.setdefault(inp.lstrip("^").split(":")[0], []).append(node)
-    makers = {}
+    makers, outputs, dead = {}, {}, set()
     for enters in frames.values():
         found = _schedule_loop(enters, nodes, consumers, graph_def)
         if found is not None:
             exit_name, endpoints, t_name = found
             makers[exit_name] = (lambda node, e=endpoints, t=t_name, d=nodes[exit_name].attr["T"].type:
                                  (_segment_index_nodes(e, tf.as_dtype(d)), {"t": t}))
-    return _replace_nodes(graph_def, makers) if makers else graph_def
+    for node in graph_def.node:
+        found = _functional_schedule_loop(node, nodes, consumers, graph_def) if node.op in _WHILE_OPS else None
+        if found is not None:
+            endpoints, t_name, k = found
+            outputs[f"{node.name}:{k}"] = node.name
+            dead.update(c.name for c in consumers.get(node.name, []) if c.op == "Identity"
+                        and not consumers.get(c.name) and c.input[0] != f"{node.name}:{k}")
+            makers[node.name] = (lambda _, e=endpoints, t=t_name, d=node.attr["T"].list.type[k]:
+                                 (_segment_index_nodes(e, tf.as_dtype(d)), {"t": t}))
+    if not makers:
+        return graph_def
+    out = _replace_nodes(graph_def, makers)
+    kept = [n for n in out.node if n.name not in dead]  # the loop's other outputs, read by nothing
+    del out.node[:]
+    out.node.extend(kept)
+    for node in out.node:  # a functional loop's index output is now the replacement's only output
+        node.input[:] = [outputs.get(i, i) for i in node.input]
+    return out
 
 
 def _source(name: str, nodes: dict) -> str:
@@ -178,8 +196,6 @@ def _source(name: str, nodes: dict) -> str:
 
 
 def _schedule_loop(enters: list, nodes: dict, consumers: dict, graph_def) -> tuple[str, list[int], str] | None:
-    import numpy as np
-
     merges = [m for e in enters for m in consumers.get(e.name, []) if m.op == "Merge"]
     if len(merges) != 2:
         return None
@@ -208,21 +224,60 @@ def _schedule_loop(enters: list, nodes: dict, consumers: dict, graph_def) -> tup
                  and _constant(e.input[0], nodes)]
     if len(invariant) != 1:
         return None
-    endpoints = _evaluate(graph_def, [invariant[0].input[0]])[0]
-    if endpoints.ndim != 1 or endpoints.size < 2 or endpoints[-1] != -1 or \
-            not np.issubdtype(endpoints.dtype, np.integer):
-        return None
+    points = _endpoints(_evaluate(graph_def, [invariant[0].input[0]])[0])
     exit_node = exits[counter.name][0]
-    points = [int(v) for v in endpoints[:-1]]
-    probes = sorted({0, *(p + d for p in points for d in (-1, 0, 1)), points[-1] + 10**6})
-    try:
-        loop = [_evaluate(graph_def, [exit_node.name + ":0"], {source: p})[0] for p in probes]
-    except Exception:  # noqa: BLE001  (a loop TensorFlow cannot run so is not this one)
-        return None
-    closed = [_segment_index(points, p) for p in probes]
-    if [int(v) for v in loop] != closed:
+    if points is None or not _probes_agree(graph_def, exit_node.name + ":0", source, points):
         return None
     return exit_node.name, points, t_init
+
+
+def _functional_schedule_loop(node, nodes: dict, consumers: dict, graph_def) -> tuple[list[int], str, int] | None:
+    """The same schedule loop as a functional ``While`` (TF2 control flow, as RLlib >= 2.1 builds
+    it under TF 2.x): loop variables ``(counter, max_iterations, i, t..., E)``, only ``i`` read."""
+    import numpy as np
+
+    # read by a consumer that is not a bare Identity nothing reads (while_v2 adds one per output)
+    live = [c for c in consumers.get(node.name, []) if c.op != "Identity" or consumers.get(c.name)]
+    read = {i.split(":")[1] if ":" in i else "0" for c in live for i in c.input
+            if not i.startswith("^") and i.split(":")[0] == node.name}
+    if len(read) != 1 or len(node.input) < 4:
+        return None
+    k = int(read.pop())
+    loop_vars = [i for i in node.input if not i.startswith("^")]
+    if k < 2 or k >= len(loop_vars) or not _constant(loop_vars[k], nodes):
+        return None
+    start = _evaluate(graph_def, [loop_vars[k]])[0]
+    if np.ndim(start) != 0 or not np.issubdtype(np.asarray(start).dtype, np.integer) or int(start) != 0:
+        return None
+    rest = [v for j, v in enumerate(loop_vars) if j >= 2 and j != k]
+    sources = {_source(v, nodes) for v in rest if not _constant(v, nodes)}
+    invariant = [v for v in rest if _constant(v, nodes)]
+    if len(sources) != 1 or len(invariant) != 1:
+        return None
+    source = sources.pop()
+    points = _endpoints(_evaluate(graph_def, [invariant[0]])[0])
+    if points is None or not _probes_agree(graph_def, f"{node.name}:{k}", source, points):
+        return None
+    return points, next(v for v in rest if not _constant(v, nodes)), k
+
+
+def _endpoints(value) -> list[int] | None:
+    """A schedule's endpoints from its constant ``E`` (1-D integers closed by -1), or ``None``."""
+    import numpy as np
+
+    if value.ndim != 1 or value.size < 2 or value[-1] != -1 or not np.issubdtype(value.dtype, np.integer):
+        return None
+    return [int(v) for v in value[:-1]]
+
+
+def _probes_agree(graph_def, index: str, source: str, points: list[int]) -> bool:
+    """Whether the loop's index tensor equals the closed form for ``t`` at and around every endpoint."""
+    probes = sorted({0, *(p + d for p in points for d in (-1, 0, 1)), points[-1] + 10**6})
+    try:
+        loop = [_evaluate(graph_def, [index], {source: p})[0] for p in probes]
+    except Exception:  # noqa: BLE001  (a loop TensorFlow cannot run so is not this one)
+        return False
+    return [int(v) for v in loop] == [_segment_index(points, p) for p in probes]
 
 
 def _segment_index(points: list[int], t: int) -> int:

@@ -10,6 +10,10 @@
 | MultiBinary | independent Bernoulli per element | ``logit > 0`` | int8 |
 | Box (float) | diagonal Gaussian ``[mean, log_std]`` | mean | float32 |
 
+:class:`SquashedGaussian` (RLlib's SAC and CQL head: a Gaussian squashed by ``tanh`` into
+``[low, high]``) and :class:`Deterministic` (DDPG's and TD3's actor: the inputs are the action)
+are not chosen by the space; a source that knows its policy uses one asks for it.
+
 Box actions, deterministic or sampled, are clipped to the space's finite bounds inside the graph,
 so every format computes the same clipped action; ``action_logp`` is the log-density of the
 unclipped action.
@@ -147,6 +151,49 @@ class DiagGaussian:
         if self.shape != (self.size,):
             actions = tf.reshape(actions, (-1, *self.shape))
         return tf.cast(actions, self.dtype) if self.dtype != actions.dtype else actions
+
+
+class SquashedGaussian(DiagGaussian):
+    """RLlib's ``SquashedGaussian``: ``[mean, log_std]`` with ``log_std`` clipped to
+    ``[-5, 2]``, samples squashed by ``tanh`` into ``[low, high]`` (default the normalised
+    ``[-1, 1]``); the deterministic action is the squashed mean."""
+
+    LOG_STD_RANGE = (-5.0, 2.0)
+    SMALL_NUMBER = 1e-6
+
+    def __init__(self, inputs: tf.Tensor, space: gym.spaces.Box, low: float = -1.0, high: float = 1.0):
+        super().__init__(inputs, space)
+        self.log_std = tf.clip_by_value(self.log_std, *self.LOG_STD_RANGE)
+        self.squash_low, self.squash_high = float(low), float(high)
+
+    def deterministic_sample(self) -> tf.Tensor:
+        return self._squash(self.mean)
+
+    def sample(self) -> tf.Tensor:
+        return self._squash(super().sample())
+
+    def logp(self, actions: tf.Tensor) -> tf.Tensor:
+        span = self.squash_high - self.squash_low
+        normed = tf.clip_by_value((actions - self.squash_low) / span * 2.0 - 1.0,
+                                  -1.0 + self.SMALL_NUMBER, 1.0 - self.SMALL_NUMBER)
+        raw = tf.math.atanh(normed)
+        z = (raw - self.mean) / tf.exp(self.log_std)
+        gaussian = tf.clip_by_value(-0.5 * tf.square(z) - self.log_std - 0.5 * math.log(2.0 * math.pi), -100.0, 100.0)
+        return tf.reduce_sum(gaussian, -1) - tf.reduce_sum(tf.math.log(1 - tf.square(tf.tanh(raw)) + self.SMALL_NUMBER), -1)
+
+    def _squash(self, raw: tf.Tensor) -> tf.Tensor:
+        squashed = (tf.tanh(raw) + 1.0) / 2.0 * (self.squash_high - self.squash_low) + self.squash_low
+        return tf.clip_by_value(squashed, self.squash_low, self.squash_high)
+
+
+class Deterministic:
+    """RLlib's ``Deterministic``: the inputs are the action (DDPG's and TD3's actor output)."""
+
+    def __init__(self, inputs: tf.Tensor, space: gym.spaces.Box):
+        self.inputs = inputs
+
+    def deterministic_sample(self) -> tf.Tensor:
+        return tf.identity(self.inputs)
 
 
 _DISTRIBUTIONS = {

@@ -47,14 +47,17 @@ def test_broadcast_args_becomes_a_shape_of_broadcast_zeros(a, b):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.fixture
-def v1_loops():
-    """TF1 while loops (Enter/Exit frames), as RLlib's TF1 graphs hold them."""
+@pytest.fixture(params=["v1", "v2"])
+def loops(request):
+    """TF1 while loops (Enter/Exit frames), as RLlib's graphs hold them on TF 2.9 (ray 2.0), or
+    functional ``While`` nodes (control flow v2), as they hold them on TF 2.15 (ray 2.9)."""
     was = tf1.control_flow_v2_enabled()
-    tf1.disable_control_flow_v2()
-    yield
-    if was:
-        tf1.enable_control_flow_v2()
+    (tf1.disable_control_flow_v2 if request.param == "v1" else tf1.enable_control_flow_v2)()
+    yield request.param
+    (tf1.enable_control_flow_v2 if was else tf1.disable_control_flow_v2)()
+
+
+LOOP_OPS = {"Enter", "Exit", "While", "StatelessWhile"}
 
 
 def _segment_loop(endpoints: list[int], values: list[float], outside: float):
@@ -78,12 +81,13 @@ def _segment_loop(endpoints: list[int], values: list[float], outside: float):
     return graph
 
 
-def test_a_schedule_loop_becomes_its_closed_form_and_converts(v1_loops):
+def test_a_schedule_loop_becomes_its_closed_form_and_converts(loops):
     graph = _segment_loop([0, 100, 1000], [1.0, 0.5, 0.05], 0.05)
     before = graph.as_graph_def()
     after = tfgraph.converter_rewrites(before)
-    assert not {"Enter", "Exit"} & {n.op for n in tf1.graph_util.extract_sub_graph(after, ["value"]).node}
+    assert LOOP_OPS & {n.op for n in before.node}
     pruned = tf1.graph_util.extract_sub_graph(after, ["value"])
+    assert not LOOP_OPS & {n.op for n in pruned.node}
     for t in (0, 1, 50, 99, 100, 101, 500, 999, 1000, 1001, 10**7):
         feeds = {"timestep:0": np.int64(t)}
         want = _run(before, "value:0", feeds)
@@ -92,7 +96,7 @@ def test_a_schedule_loop_becomes_its_closed_form_and_converts(v1_loops):
                                    rtol=1e-6)
 
 
-def test_another_loop_is_left_as_it_is(v1_loops):
+def test_another_loop_is_left_as_it_is(loops):
     graph = tf.Graph()
     with graph.as_default():
         t = tf1.placeholder_with_default(np.int64(3), (), name="timestep")
@@ -104,7 +108,7 @@ def test_another_loop_is_left_as_it_is(v1_loops):
     assert _run(after, "count:0", {"timestep:0": np.int64(7)}) == 7
 
 
-def test_a_loop_that_never_ends_is_left_as_it_is_within_the_timeout(v1_loops, monkeypatch):
+def test_a_loop_that_never_ends_is_left_as_it_is_within_the_timeout(loops, monkeypatch):
     """A schedule-shaped loop whose condition never turns false (a hostile file's) is probed
     with a deadline, found not to be a schedule, and left alone: the conversion does not hang."""
     monkeypatch.setattr(tfgraph, "EVALUATE_TIMEOUT_MS", 500)

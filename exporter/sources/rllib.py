@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from policy_export.errors import ExportError, InputError, PolicyExportError
 from policy_export.exporter.sources.legacy import deterministic_copy, refused_reason
-from policy_export.exporter.tfgraph import exploration_state
+from policy_export.exporter.tfgraph import converter_rewrites, exploration_state
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import (
     ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, TIMESTEP, TFPolicy,
@@ -51,8 +51,9 @@ tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 SCOPE = "rllib"
 # RLlib's action distributions whose deterministic sample the package rebuilds for
-# model_deterministic.onnx (argmax, argmax per component, the Gaussian mean)
-DETERMINISTIC_DISTRIBUTIONS = ("Categorical", "MultiCategorical", "DiagGaussian")
+# model_deterministic.onnx (argmax, argmax per component, the Gaussian mean, the squashed mean,
+# DDPG's/TD3's actor output)
+DETERMINISTIC_DISTRIBUTIONS = ("Categorical", "MultiCategorical", "DiagGaussian", "SquashedGaussian", "Deterministic")
 ATARI_SHAPES = ((210, 160, 3), (128,))  # RLlib's GenericPixelPreprocessor and AtariRamPreprocessor
 ASSIGN_OPS = ("Assign", "AssignAdd", "AssignSub", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 
@@ -270,14 +271,16 @@ def _output_tensors(t: Mapping[str, Any]) -> list:
 
 
 def _freeze(session: Any, tensors: list) -> Any:
-    """The policy graph with variables folded into constants, pruned to what ``tensors`` need."""
+    """The policy graph with variables folded into constants, pruned to what ``tensors`` need, with
+    what converters do not know rewritten (:func:`~exporter.tfgraph.converter_rewrites`: RLlib's
+    epsilon schedule loop, TF Probability's ``BroadcastArgs``)."""
     nodes = sorted({x.op.name for x in tensors})
     try:
         with session.graph.as_default():
             frozen = tf1.graph_util.convert_variables_to_constants(session, session.graph.as_graph_def(), nodes)
     except (tf.errors.OpError, ValueError, AssertionError) as e:
         raise PolicyExportError(f"freezing the RLlib policy graph failed: {e}") from e
-    return _seed_random_ops(_drop_assignments(frozen))
+    return converter_rewrites(_seed_random_ops(_drop_assignments(frozen)))
 
 
 def _seed_random_ops(graph_def: Any, seed: int = 1) -> Any:
@@ -334,23 +337,17 @@ def _deterministic_outputs(policy: Any, act_space: gym.Space, w: Mapping[str, An
     Only for feed-forward policies with one action leaf and one of RLlib's standard distributions;
     ``None`` otherwise (the export then leaves that format out).
     """
-    from policy_export.policy.distributions import ActionDistribution
-
-    dist_class = getattr(policy, "dist_class", None)
-    dist_class = getattr(dist_class, "func", dist_class)  # may be a functools.partial
+    given = getattr(policy, "dist_class", None)
+    dist_class = getattr(given, "func", given)  # may be a functools.partial
     names = {c.__name__ for c in getattr(dist_class, "__mro__", ())}  # DQN: a Categorical subclass
     if w["state_in"] or w["dist_inputs"] is None or len(w["actions"]) != 1 or \
             not names & set(DETERMINISTIC_DISTRIBUTIONS):
         return None
-    try:
-        dist = ActionDistribution(w["dist_inputs"], act_space)
-    except (PolicyExportError, ValueError) as e:
-        log.info("no deterministic path: %s", e)
-        return None
-    if len(dist.parts) != 1:
-        return None
     with tf1.name_scope("deterministic"):
-        det = dist.deterministic_sample()[0]
+        dist = _package_distribution(w["dist_inputs"], act_space, names, getattr(given, "keywords", None) or {})
+        if dist is None:
+            return None
+        det = dist.deterministic_sample()
         action = w["actions"][0]
         if det.dtype != action.dtype or det.shape.as_list() != action.shape.as_list():
             log.info("no deterministic path: %s %s differs from RLlib's action %s %s",
@@ -361,6 +358,24 @@ def _deterministic_outputs(policy: Any, act_space: gym.Space, w: Mapping[str, An
                ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.exp(zeros)}
         out.update({k: tf.identity(v) for k, v in extra.items()})
     return out
+
+
+def _package_distribution(inputs, act_space: gym.Space, names: set[str], keywords: Mapping[str, Any]):
+    """The package's distribution for RLlib's (one action leaf), or ``None``."""
+    from policy_export.policy.distributions import ActionDistribution, Deterministic, SquashedGaussian
+
+    if names & {"SquashedGaussian", "Deterministic"}:
+        if not isinstance(act_space, gym.spaces.Box):
+            return None
+        if "Deterministic" in names:
+            return Deterministic(inputs, act_space)
+        return SquashedGaussian(inputs, act_space, keywords.get("low", -1.0), keywords.get("high", 1.0))
+    try:
+        dist = ActionDistribution(inputs, act_space)
+    except (PolicyExportError, ValueError) as e:
+        log.info("no deterministic path: %s", e)
+        return None
+    return dist.parts[0] if len(dist.parts) == 1 else None
 
 
 def _graph_action_space(policy: Any) -> gym.Space:
