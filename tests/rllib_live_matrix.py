@@ -85,10 +85,15 @@ CASES = {
     "marwil": ("marwil.MARWILConfig", "marwil.marwil_tf_policy.MARWILTF1Policy", gym.spaces.Discrete(3), {}),
     "bc_box": ("bc.BCConfig", "marwil.marwil_tf_policy.MARWILTF1Policy", _box(-1.0, 1.0, (2,)), {}),
     "custom_keras_model": ("ppo.PPOConfig", "ppo.ppo_tf_policy.PPOTF1Policy", gym.spaces.Discrete(3), {}),
+    "r2d2": ("r2d2.R2D2Config", "r2d2.r2d2_tf_policy.R2D2TFPolicy", gym.spaces.Discrete(3),
+             {"dueling": True, "hiddens": [16], "model": {"fcnet_hiddens": [16], "use_lstm": True,
+                                                          "lstm_cell_size": 8, "max_seq_len": 5}}),
 }
+RECURRENT = {"r2d2"}  # compared step by step, the state fed back (stepped_errors)
 # DDPG's Ornstein-Uhlenbeck noise keeps state between calls: explore is refused and the export
 # serves the actor's action (model.onnx is the deterministic model; no second one is written)
-FORMATS_OF = {"ddpg_ou": ["saved_model", "onnx"]}
+FORMATS_OF = {"ddpg_ou": ["saved_model", "onnx"],
+              "r2d2": ["saved_model", "onnx"]}  # recurrent: no separate deterministic model
 
 
 def _load(path: str):
@@ -136,7 +141,8 @@ def build(name: str, seed: int):
 
     config_cls, policy_cls, action_space, training = CASES[name]
     policy_class = _policy_class(policy_cls)
-    model = _custom_model() if name == "custom_keras_model" else {"fcnet_hiddens": [16, 16]}
+    training = dict(training)
+    model = _custom_model() if name == "custom_keras_model" else training.pop("model", {"fcnet_hiddens": [16, 16]})
     config = _old_api_stack(_load(config_cls)().framework("tf").rollouts(num_rollout_workers=0))
     config = config.training(model=model, **training).to_dict()
     with tf.Graph().as_default(), tf.compat.v1.variable_scope("default_policy"):
@@ -197,6 +203,35 @@ def largest_errors(policy, out: Path) -> dict[str, dict[str, float]]:
     return rows
 
 
+def stepped_errors(policy, out: Path, steps: int = 20, batch: int = 4) -> dict[str, dict[str, float]]:
+    """A recurrent case: ``model.onnx`` stepped ``steps`` times over ``batch`` sequences, each
+    side carrying its own state, against RLlib's ``compute_actions(explore=False)`` with its
+    state fed back; the largest absolute error per output over every step."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    listed = [i.name for i in session.get_inputs()]
+    names = [o.name for o in session.get_outputs()]
+    theirs = [np.zeros((batch, *np.shape(s)), np.float32) for s in policy.get_initial_state()]
+    ours = [s.copy() for s in theirs]
+    worst: dict[str, Any] = {"listed inputs": listed}
+    for step in range(steps):
+        obs = observations(batch, seed=100 + step)
+        actions, state, fetches = policy.compute_actions(obs, state_batches=theirs, explore=False)
+        feeds = {"observations": obs, "seq_lens": np.ones(batch, np.int32),
+                 **{f"state_in_{i}": s for i, s in enumerate(ours)}}
+        got = dict(zip(names, session.run(None, {k: feeds[k] for k in listed})))
+        reference = {"actions_0": np.asarray(actions), **{f"state_out_{i}": s for i, s in enumerate(state)},
+                     **{k: np.asarray(v) for k, v in fetches.items() if k in COMPARED and k != "action_logp"}}
+        for key, want in reference.items():
+            if key in got:
+                err = ((0.0 if np.array_equal(got[key], want) else float("inf")) if np.issubdtype(want.dtype, np.integer)
+                       else float(np.max(np.abs(got[key].astype(np.float64) - want))))
+                worst[key] = max(worst.get(key, 0.0), err)
+        theirs, ours = list(state), [got[f"state_out_{i}"] for i in range(len(ours))]
+    return {"model.onnx": worst}
+
+
 def run_case(name: str, work: Path) -> dict[str, Any]:
     import ray
 
@@ -210,7 +245,7 @@ def run_case(name: str, work: Path) -> dict[str, Any]:
     row["parity"] = result.parity.passed
     row["explore"] = ("refused" if result.manifest.get("explore_refused")
                       else "checked" if result.parity.exploration else "none")
-    row["onnx"] = largest_errors(policy, out)
+    row["onnx"] = stepped_errors(policy, out) if name in RECURRENT else largest_errors(policy, out)
     return row
 
 
