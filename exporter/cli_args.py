@@ -144,14 +144,30 @@ def _diff_parser(sub, common) -> None:
 
 def _convert_parser(sub, common) -> None:
     co = sub.add_parser("convert", parents=[common],
-                        help="turn an existing TF1 SavedModel (e.g. RLlib's) into a full export with clean keys")
-    co.add_argument("saved_model", metavar="SAVED_MODEL_DIR")
+                        help="turn an RLlib checkpoint or an existing TF SavedModel (e.g. RLlib's export_model) "
+                             "into a full export with clean keys")
+    co.add_argument("saved_model", metavar="SOURCE_DIR",
+                    help="an RLlib Algorithm or Policy checkpoint (holding rllib_checkpoint.json; read without ray "
+                         "and without running its pickles) or a SavedModel directory")
     co.add_argument("--out", required=True, metavar="OUT")
-    co.add_argument("--signature", default="serving_default", metavar="KEY")
-    co.add_argument("--tag", default="serve", metavar="TAG")
+    co.add_argument("--policy-id", default=None, metavar="ID",
+                    help="checkpoints: the policy to export (default: the only one)")
+    co.add_argument("--all-policies", action="store_true",
+                    help="checkpoints: one export per policy id, at OUT/<policy id>/")
+    co.add_argument("--no-filter", action="store_true",
+                    help="checkpoints: leave RLlib's observation filter out of the graph (the export then takes "
+                         "filtered observations)")
+    co.add_argument("--actions", choices=("environment", "policy"), default="environment",
+                    help="checkpoints: serve the action the environment takes (unsquashed to the action space's "
+                         "bounds with normalize_actions, clipped with clip_actions; the default) or the policy's own "
+                         "(as policy.compute_actions returns it)")
+    co.add_argument("--signature", default=None, metavar="KEY", help="SavedModels: the signature (default serving_default)")
+    co.add_argument("--tag", default=None, metavar="TAG", help="SavedModels: the meta graph tag (default serve)")
     _formats_argument(co)
     co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
     co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
+    co.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
+                    help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
     co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     _tf32_option(co)
     co.add_argument("--overwrite", action="store_true")

@@ -287,7 +287,19 @@ def cmd_convert(args, console) -> int:
     from policy_export.exporter.staging import check_target
 
     opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
-                         overwrite=args.overwrite, progress=args.progress, run_timeout=args.run_timeout)
+                         explore_samples=args.explore_samples, overwrite=args.overwrite, progress=args.progress,
+                         run_timeout=args.run_timeout)
+    from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
+
+    if is_rllib_checkpoint(args.saved_model):
+        return _convert_checkpoint(args, console, opts)
+    checkpoint_only = [flag for flag, given in (("--policy-id", args.policy_id), ("--all-policies", args.all_policies),
+                                                ("--no-filter", args.no_filter),
+                                                ("--actions", args.actions != "environment")) if given]
+    if checkpoint_only:
+        raise InputError(f"{', '.join(checkpoint_only)} apply to RLlib checkpoints only; {args.saved_model} holds no "
+                         f"rllib_checkpoint.json")
+    args.signature, args.tag = args.signature or "serving_default", args.tag or "serve"
     if not (Path(args.saved_model) / "saved_model.pb").is_file():
         raise ExportError(f"{args.saved_model} is not a SavedModel directory (no saved_model.pb)")
     check_target(Path(args.out).absolute(), args.overwrite)
@@ -315,6 +327,54 @@ def cmd_convert(args, console) -> int:
     console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] to "
                   f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
     return _partial_status(console, result, args)
+
+
+def _convert_checkpoint(args, console, opts) -> int:
+    """``convert`` of an RLlib checkpoint: read and checked before TensorFlow loads."""
+    from policy_export.errors import InputError
+    from policy_export.exporter.sources.checkpoint import read_checkpoint
+    from policy_export.exporter.staging import check_target
+
+    savedmodel_only = [flag for flag, given in (
+        ("--signature", args.signature), ("--tag", args.tag), ("--state", args.state), ("--dist-inputs", args.dist_inputs),
+        ("--observation-space", args.observation_space), ("--action-space", args.action_space)) if given]
+    if savedmodel_only:
+        raise InputError(f"{', '.join(savedmodel_only)} apply to SavedModels only; {args.saved_model} is an RLlib "
+                         f"checkpoint, whose spaces and signature come from the checkpoint itself")
+    if args.all_policies and args.policy_id:
+        raise InputError("--policy-id and --all-policies exclude each other")
+    checkpoint = read_checkpoint(args.saved_model)  # the safe reader: nothing is imported or run
+    chosen = list(checkpoint.policies.values()) if args.all_policies else [checkpoint.policy(args.policy_id)]
+    out = Path(args.out).absolute()
+    for policy in chosen:
+        opts.check_policy(policy.original_observation_space or policy.observation_space)
+        check_target(out / policy.policy_id if args.all_policies else out, args.overwrite)
+    _heavy_imports(args)
+    from policy_export.exporter.convert import convert_checkpoint, convert_checkpoint_policies
+    from policy_export.exporter.reports import parity_table
+
+    kw = dict(use_filter=not args.no_filter, actions=args.actions, device=_device_plan(args), options=opts)
+    if args.all_policies:
+        results = convert_checkpoint_policies(checkpoint, out, **kw)
+    else:
+        results = {chosen[0].policy_id: convert_checkpoint(checkpoint, out, policy_id=chosen[0].policy_id, **kw)}
+    args.progress.close()
+    status = EXIT_OK
+    for pid, result in results.items():
+        source = result.manifest["source"]
+        console.print(parity_table(result.parity, f"policy {pid}: parity, {result.parity.samples} samples vs the "
+                                                  f"rebuilt policy's TF session"))
+        filt = source.get("observation_filter")
+        console.print(f"  {escape(source['policy_class'])}: {escape(source['network'])} network, "
+                      f"{len(source['weights_used'])} weights; observation filter: "
+                      f"{escape(filt['class']) + ' (n=' + str(filt['count']) + ')' if filt else 'none'}; "
+                      f"actions: {args.actions}", soft_wrap=True)
+        if source.get("observation_filter_note"):
+            console.print(f"  [yellow]note[/yellow]: {escape(source['observation_filter_note'])}", soft_wrap=True)
+        console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] policy {escape(pid)} to "
+                      f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
+        status = max(status, _partial_status(console, result, args))
+    return status
 
 
 def _rollout_formats(text: str | None) -> list[str] | None:

@@ -143,3 +143,95 @@ def _export(policy, out, opts: ExportOptions):
         return export_policy(policy, out, opts)
     finally:
         policy.close()
+
+
+# ------------------------------------------------------------------------ RLlib checkpoints
+
+def convert_checkpoint(checkpoint: Any, out: str | Path, *, policy_id: str | None = None, use_filter: bool = True,
+                       actions: str = "environment", device: str = "auto", **options: Any):
+    """Convert one policy of an RLlib checkpoint (ray 2.1-2.9, old API stack) into a full export at ``out``.
+
+    ``checkpoint``: the checkpoint directory (or a :class:`~exporter.sources.checkpoint.Checkpoint`
+    already read). Neither ray nor any pickled code is run: see :mod:`exporter.sources.checkpoint`.
+    ``policy_id``: which policy (default: the only one). ``use_filter`` false leaves RLlib's
+    observation filter out of the graph; ``actions`` is ``"environment"`` (unsquashed/clipped as
+    ``compute_single_action`` does) or ``"policy"`` (as ``policy.compute_actions`` returns them).
+    ``options`` go to :func:`exporter.export_policy`.
+
+    Example::
+
+        convert_checkpoint("checkpoints/ppo_000100", "out/ppo", policy_id="default_policy")
+
+    Returns:
+        The :class:`exporter.ExportResult`; its manifest's ``source`` records the checkpoint, the
+        rebuilt network and the weights it used, and its contract the filter and the actions.
+    Raises:
+        UnsafeCheckpointError: the checkpoint is refused (see :func:`read_checkpoint`).
+        ExportError: no such policy id, or a policy the package does not rebuild.
+        WeightsError: weights that do not fit the config. ParityFailedError: a format differs.
+    """
+    checkpoint = _read(checkpoint)
+    policy = checkpoint.policy(policy_id)
+    opts = replace(ExportOptions.make(options.pop("options", None), options), device=device)
+    check_target(Path(out).absolute(), opts.overwrite)
+    with run_limit(opts.run_timeout):
+        return _convert_checkpoint_policy(checkpoint, policy, out, use_filter, actions, opts)
+
+
+def convert_checkpoint_policies(checkpoint: Any, out: str | Path, *, use_filter: bool = True,
+                                actions: str = "environment", device: str = "auto", **options: Any) -> dict[str, Any]:
+    """Every policy of an RLlib checkpoint, one export each at ``out/<policy id>/``, each with its own parity.
+
+    Arguments as for :func:`convert_checkpoint`. Every target is checked before the first export;
+    when one policy fails, the exports this call wrote are removed again and the error is raised.
+
+    Returns:
+        policy id -> :class:`exporter.ExportResult`, in the checkpoint's order.
+    """
+    import shutil
+
+    checkpoint = _read(checkpoint)
+    opts = replace(ExportOptions.make(options.pop("options", None), options), device=device)
+    from policy_export.errors import ExportError
+
+    root = Path(out).absolute()
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise ExportError(f"output path {root} is a symbolic link or a file; the exports go into a directory")
+    created = not root.exists()
+    targets = {pid: root / pid for pid in checkpoint.policies}
+    for target in targets.values():
+        check_target(target, opts.overwrite)
+    done: dict[str, Any] = {}
+    try:
+        with run_limit(opts.run_timeout):
+            for pid, policy in checkpoint.policies.items():
+                done[pid] = _convert_checkpoint_policy(checkpoint, policy, targets[pid], use_filter, actions, opts)
+    except BaseException:
+        for pid in done:
+            shutil.rmtree(targets[pid], ignore_errors=True)
+        if created and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+        raise
+    return done
+
+
+def _read(checkpoint: Any):
+    from policy_export.exporter.sources.checkpoint import Checkpoint, read_checkpoint
+
+    return checkpoint if isinstance(checkpoint, Checkpoint) else read_checkpoint(checkpoint)
+
+
+def _convert_checkpoint_policy(checkpoint, policy, out, use_filter: bool, actions: str, opts: ExportOptions):
+    from policy_export.exporter.devices import plan_devices
+    from policy_export.exporter.sources.checkpoint_policy import load_checkpoint_policy
+
+    if policy.filter is None and policy.filter_note:
+        log.warning("policy %r: %s", policy.policy_id, policy.filter_note)
+    with (opts.progress or SILENT).stage(f"rebuild policy {policy.policy_id}"):
+        tf_policy, record = load_checkpoint_policy(policy, use_filter=use_filter, actions=actions,
+                                                   device=plan_devices(opts.device).tf_device)
+    described = {"converted_from": str(Path(checkpoint.path).absolute()), "kind": "rllib_checkpoint",
+                 "checkpoint_type": checkpoint.type, "checkpoint_format": checkpoint.format,
+                 "checkpoint_version": checkpoint.version, "ray_version": checkpoint.ray_version, **record,
+                 "contract": {"observation_filter": record["observation_filter"], "actions": actions}}
+    return _export(tf_policy, out, replace(opts, source=described))

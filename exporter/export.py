@@ -224,7 +224,9 @@ class _Export:
             doc["behaviour"] = behaviour_thresholds.to_json(self.thresholds)
             doc["parity"]["behaviour"] = behaviour_thresholds.summarize(report.behaviour)
         if self.opts.source:
-            doc["source"] = dict(self.opts.source)
+            doc["source"] = {k: v for k, v in self.opts.source.items() if k != "contract"}
+            # what the source adds to the I/O contract (an RLlib checkpoint's filter and action meaning)
+            doc["contract"].update(self.opts.source.get("contract") or {})
         if self.missing:
             doc["missing"] = dict(self.missing)
         if getattr(self.policy, "explore_refused", None):

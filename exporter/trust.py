@@ -78,16 +78,17 @@ STRING_OVERHEAD = 8
 # ---------------------------------------------------------------------------------------- reading
 
 
-def _open_regular(file: Path, limit: int) -> bytes:
+def read_regular(file: Path, limit: int, error: type[Exception] = ExportError) -> bytes:
     """The bytes of ``file``, opened without following a symbolic link, if it is a regular file of
-    at most ``limit`` bytes (checked before reading)."""
+    at most ``limit`` bytes (checked before reading); ``error`` otherwise."""
     fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
-            raise ExportError(f"{file} is not a regular file")
+            raise error(f"refusing to read {file}: not a regular file")
         if info.st_size > limit:
-            raise ExportError(f"{file} is larger than the {limit >> 20} MiB limit")
+            raise error(f"refusing to read {file}: {info.st_size} bytes, over {limit} bytes (the "
+                        f"{limit / 2**20:.3g} MiB limit)")
         return f.read(limit + 1)
 
 
@@ -111,7 +112,7 @@ def read_saved_model(path: str | Path):
         if not (file.exists() or file.is_symlink()):
             continue
         try:
-            data = _open_regular(file, MAX_SAVED_MODEL_BYTES)
+            data = read_regular(file, MAX_SAVED_MODEL_BYTES)
             if binary:
                 proto.ParseFromString(data)
             else:
@@ -135,7 +136,7 @@ def read_graph_def(path: str | Path):
 
     graph_def = graph_pb2.GraphDef()
     try:
-        graph_def.ParseFromString(_open_regular(Path(path), MAX_GRAPH_DEF_BYTES))
+        graph_def.ParseFromString(read_regular(Path(path), MAX_GRAPH_DEF_BYTES))
     except ExportError:
         raise
     except Exception as e:  # OSError, protobuf DecodeError

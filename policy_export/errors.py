@@ -8,7 +8,8 @@ that ran and failed. Anything else that escapes a command is a bug in the packag
     PolicyExportError (2)
     |-- SpecError, UnsupportedSpaceError, WeightsError, InputError, DeviceError,
     |   EnvironmentMismatchError, JSONError (policy_export.policy.jsonio)
-    |-- ExportError: ExportExistsError, ExportBusyError, UnsafeModelError, DeclaredSizeError
+    |-- ExportError: ExportExistsError, ExportBusyError, UnsafeModelError, UnsafeCheckpointError,
+    |   DeclaredSizeError
     `-- CheckFailedError (1): ParityFailedError, RunTimeoutError
 
 A converter (tf2onnx, the TFLite converter) that cannot convert a policy's graph raises an
@@ -101,6 +102,11 @@ class UnsafeModelError(ExportError):
     def __init__(self, path: str, op: str, node: str, reason: str):
         self.op, self.node = op, node
         super().__init__(f"refusing to load SavedModel {path}: op {op!r} (node {node!r}) {reason}")
+
+
+class UnsafeCheckpointError(ExportError):
+    """A checkpoint file references code, or holds what it cannot, or points outside its
+    directory; nothing from it was run (exit code 2)."""
 
 
 class DeclaredSizeError(ExportError):

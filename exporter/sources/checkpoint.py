@@ -1,0 +1,328 @@
+"""RLlib checkpoints (ray 2.1-2.9, old API stack) read without Ray and without running a pickle.
+
+A checkpoint directory holds ``rllib_checkpoint.json`` (``type`` Algorithm or Policy, ``format``
+cloudpickle or msgpack, ``checkpoint_version``, ``policy_ids``), the state file
+(``algorithm_state.pkl`` or ``policy_state.pkl``/``.msgpck``) and, for an Algorithm,
+``policies/<id>/`` with one Policy checkpoint per policy id. :func:`read_checkpoint` reads:
+
+- every file from inside the directory only, by its fixed name, opened without following a
+  symbolic link and with a size limit checked first (:data:`STATE_LIMIT`); the ``state_file``
+  RLlib writes into the JSON (often the absolute path the checkpoint was first saved at) is never
+  opened, and a name there other than the expected state file is refused;
+- pickles through :mod:`exporter.sources.safe_pickle` (nothing is imported or called), msgpack
+  with its numpy extension checked;
+- per policy: its weights (variable name -> float array), its spaces (rebuilt with gymnasium from
+  RLlib's own space dicts), its config, and its observation filter: the
+  ``MeanStdObservationFilterAgentConnector`` state with connectors on, else the worker's filter in
+  ``algorithm_state.pkl``; a Policy checkpoint written with connectors off carries no filter, and
+  :attr:`CheckpointPolicy.filter_note` says so. The ``StateBufferConnector`` blob (a nested
+  cloudpickle holding code) is never decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import stat
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from policy_export.errors import ExportError, UnsafeCheckpointError
+from policy_export.exporter.trust import read_regular
+from policy_export.exporter.sources.safe_pickle import Record, loads, msgpack_loads
+
+STATE_LIMIT = 1 << 30  # bytes of one state file
+JSON_LIMIT = 1 << 20
+NPY_LIMIT = 64 << 20  # bytes of one decompressed array of a space or filter
+VERSIONS = ("0.1", "1.0", "1.1", "1.2")
+STATE_FILES = {("Algorithm", "cloudpickle"): "algorithm_state.pkl", ("Algorithm", "msgpack"): "algorithm_state.msgpck",
+               ("Policy", "cloudpickle"): "policy_state.pkl", ("Policy", "msgpack"): "policy_state.msgpck"}
+POLICY_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+FILTER_CONNECTORS = {"MeanStdObservationFilterAgentConnector": "MeanStdFilter",
+                     "ConcurrentMeanStdObservationFilterAgentConnector": "ConcurrentMeanStdFilter"}
+
+
+@dataclass
+class FilterState:
+    """RLlib's ``MeanStdFilter``: ``(x - mean) / (sqrt(M2 / (n - 1)) + 1e-6)``, then ``clip``."""
+
+    kind: str
+    n: int
+    mean: np.ndarray
+    m2: np.ndarray
+    demean: bool = True
+    destd: bool = True
+    clip: float | None = None
+    source: str = "connector"
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else np.sqrt(np.square(self.mean))
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """RLlib's filter, not updated: float64 statistics, float32 result as RLlib's graph gets it."""
+        y = np.asarray(x, np.float64)
+        if self.demean:
+            y = y - self.mean
+        if self.destd:
+            y = y / (self.std + 1e-6)
+        if self.clip:
+            y = np.clip(y, -self.clip, self.clip)
+        return y.astype(np.float32)
+
+
+@dataclass
+class CheckpointPolicy:
+    policy_id: str
+    policy_class: str
+    observation_space: gym.Space
+    action_space: gym.Space
+    original_observation_space: gym.Space | None
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    global_timestep: int = 0
+    filter: FilterState | None = None
+    filter_note: str | None = None
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    type: str
+    format: str
+    version: str
+    ray_version: str
+    policies: dict[str, CheckpointPolicy] = field(default_factory=dict)
+
+    def policy(self, policy_id: str | None = None) -> CheckpointPolicy:
+        """The policy ``policy_id`` (default: the only one).
+
+        Raises:
+            ExportError: no such id, or several policies and none chosen (the ids are named).
+        """
+        ids = list(self.policies)
+        if policy_id is None:
+            if len(ids) == 1:
+                return self.policies[ids[0]]
+            raise ExportError(f"{self.path} holds {len(ids)} policies ({', '.join(ids)}): choose one with "
+                              f"--policy-id ID, or export each with --all-policies")
+        if policy_id not in self.policies:
+            raise ExportError(f"{self.path} holds no policy {policy_id!r}; its policy ids: {', '.join(ids)}")
+        return self.policies[policy_id]
+
+
+def is_rllib_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a directory holding ``rllib_checkpoint.json`` (an Algorithm or Policy checkpoint)."""
+    return (Path(path) / "rllib_checkpoint.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------- files
+
+def _read_inside(root: Path, parts: tuple[str, ...], limit: int) -> bytes:
+    """The bytes of ``root/parts...``: every component a plain name, no directory or file a
+    symbolic link, the file regular and at most ``limit`` bytes (checked before reading)."""
+    where = root.joinpath(*parts)
+    current = root
+    for part in parts:
+        if part in ("", ".", "..") or "/" in part or "\0" in part:
+            raise UnsafeCheckpointError(f"refusing to read {where}: {part!r} is not a plain file name")
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            raise UnsafeCheckpointError(f"{where} is missing from the checkpoint") from None
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeCheckpointError(f"refusing to read {where}: {current} is a symbolic link; a checkpoint's "
+                                        "files must be inside its directory")
+    return read_regular(current, limit, UnsafeCheckpointError)
+
+
+def _metadata(root: Path, parts: tuple[str, ...] = ()) -> dict[str, Any]:
+    where = root.joinpath(*parts, "rllib_checkpoint.json")
+    try:
+        meta = json.loads(_read_inside(root, (*parts, "rllib_checkpoint.json"), JSON_LIMIT))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UnsafeCheckpointError(f"{where} is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise UnsafeCheckpointError(f"{where} is not a JSON object")
+    kind, fmt, version = meta.get("type"), meta.get("format", "cloudpickle"), str(meta.get("checkpoint_version", ""))
+    if (kind, fmt) not in STATE_FILES:
+        raise UnsafeCheckpointError(f"{where}: type {kind!r} / format {fmt!r} is not an RLlib checkpoint this reads "
+                                    "(Algorithm or Policy; cloudpickle or msgpack)")
+    if version not in VERSIONS:
+        raise UnsafeCheckpointError(f"{where}: checkpoint_version {version!r} is not one of {', '.join(VERSIONS)} "
+                                    "(ray 2.1-2.9, old API stack)")
+    expected = STATE_FILES[(kind, fmt)]
+    named = meta.get("state_file")
+    if named is not None and (not isinstance(named, str) or Path(named).name != expected
+                              or (not os.path.isabs(named) and named != expected)):
+        raise UnsafeCheckpointError(f"{where}: state_file {named!r} is not the checkpoint's own {expected}; "
+                                    "only that file, inside the checkpoint directory, is read")
+    return meta
+
+
+def _state(root: Path, parts: tuple[str, ...], meta: dict[str, Any]) -> dict[str, Any]:
+    name = STATE_FILES[(meta["type"], meta.get("format", "cloudpickle"))]
+    data = _read_inside(root, (*parts, name), STATE_LIMIT)
+    where = str(root.joinpath(*parts, name))
+    state = msgpack_loads(data, where) if name.endswith(".msgpck") else loads(data, where)
+    if not isinstance(state, dict):
+        raise UnsafeCheckpointError(f"{where} does not hold a state dict")
+    return state
+
+
+# ---------------------------------------------------------------------------------------- spaces
+
+def _npy(text: Any, where: str) -> np.ndarray:
+    """RLlib's ``_serialize_ndarray``: base64(zlib(npy)); read with ``allow_pickle=False``."""
+    if isinstance(text, np.ndarray):
+        return text
+    try:
+        raw = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), NPY_LIMIT)
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, TypeError, zlib.error, OSError) as e:
+        raise UnsafeCheckpointError(f"{where}: an array is not RLlib's base64(zlib(npy)) encoding: {e}") from None
+    if array.dtype.hasobject:
+        raise UnsafeCheckpointError(f"{where}: an array holds Python objects")
+    return array
+
+
+def space_from_dict(d: Any, where: str) -> gym.Space:
+    """A gymnasium space from RLlib's ``gym_space_to_dict`` (the inverse of it), or refused."""
+    kind = d.get("space") if isinstance(d, dict) else None
+    if kind == "box":
+        return gym.spaces.Box(low=_npy(d["low"], where), high=_npy(d["high"], where), shape=tuple(d["shape"]),
+                              dtype=np.dtype(d["dtype"]))
+    if kind == "discrete":
+        return gym.spaces.Discrete(int(d["n"]), start=int(d.get("start", 0)))
+    if kind == "multi-binary":
+        return gym.spaces.MultiBinary(d["n"])
+    if kind == "multi-discrete":
+        return gym.spaces.MultiDiscrete(_npy(d["nvec"], where), dtype=np.dtype(d.get("dtype", "int64")))
+    if kind == "tuple":
+        return gym.spaces.Tuple([space_from_dict(s, where) for s in d["spaces"]])
+    if kind == "dict":
+        return gym.spaces.Dict({k: space_from_dict(s, where) for k, s in d["spaces"].items()})
+    raise UnsafeCheckpointError(f"{where}: space {kind!r} is not one this package rebuilds "
+                                "(box, discrete, multi-binary, multi-discrete, tuple, dict)")
+
+
+def _spaces(spec: dict[str, Any], where: str) -> tuple[gym.Space, gym.Space, gym.Space | None]:
+    obs, act = spec.get("observation_space"), spec.get("action_space")
+    if not isinstance(obs, dict) or not isinstance(act, dict):
+        raise UnsafeCheckpointError(f"{where}: policy_spec holds no serialised spaces (ray >= 2.1 writes them)")
+    original = obs.get("original_space")
+    return (space_from_dict(obs.get("space"), where), space_from_dict(act.get("space"), where),
+            space_from_dict(original.get("space"), where) if isinstance(original, dict) else None)
+
+
+# ---------------------------------------------------------------------------------------- filters
+
+def _running_stat(rs: Any, where: str) -> tuple[int, np.ndarray, np.ndarray]:
+    fields = rs.fields() if isinstance(rs, Record) else rs
+    if isinstance(fields, list) and fields:
+        fields = fields[0]
+    if not isinstance(fields, dict) or "num_pushes" not in fields:
+        raise UnsafeCheckpointError(f"{where}: the observation filter's running statistics are not readable")
+    mean = np.asarray(_npy(fields["mean_array"], where), np.float64)
+    m2 = np.asarray(_npy(fields["std_array"], where), np.float64)
+    return int(fields["num_pushes"]), mean, m2
+
+
+def _filter_state(kind: str, params: dict[str, Any], source: str, where: str) -> FilterState:
+    n, mean, m2 = _running_stat(params.get("running_stats"), where)
+    if mean.shape != m2.shape:
+        raise UnsafeCheckpointError(f"{where}: filter mean {mean.shape} and M2 {m2.shape} differ in shape")
+    clip = params.get("clip")
+    return FilterState(kind=kind, n=n, mean=mean, m2=m2, demean=bool(params.get("demean", True)),
+                       destd=bool(params.get("destd", True)), clip=float(clip) if clip else None, source=source)
+
+
+def connector_filter(state: dict[str, Any], where: str) -> FilterState | None:
+    """The filter of the agent connector pipeline, if there is one (connectors on)."""
+    agent = (state.get("connector_configs") or {}).get("agent")
+    if not (isinstance(agent, (list, tuple)) and len(agent) == 2 and isinstance(agent[1], (list, tuple))):
+        return None
+    for entry in agent[1]:
+        if isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] in FILTER_CONNECTORS:
+            return _filter_state(FILTER_CONNECTORS[entry[0]], entry[1] or {}, "connector", where)
+    return None
+
+
+def worker_filter(algorithm_state: dict[str, Any], policy_id: str, where: str) -> FilterState | None:
+    """The worker's filter of ``policy_id`` in ``algorithm_state`` (connectors off)."""
+    filters = (algorithm_state.get("worker") or {}).get("filters") or {}
+    record = filters.get(policy_id)
+    if not isinstance(record, Record) or record.ref.rsplit(".", 1)[-1] == "NoFilter":
+        return None
+    kind = record.ref.rsplit(".", 1)[-1]
+    if kind not in ("MeanStdFilter", "ConcurrentMeanStdFilter"):
+        raise UnsafeCheckpointError(f"{where}: policy {policy_id!r} uses observation filter {record.ref}, "
+                                    "which is not one this package rebuilds (MeanStdFilter, ConcurrentMeanStdFilter)")
+    return _filter_state(kind, record.fields(), "worker", where)
+
+
+# ---------------------------------------------------------------------------------------- policies
+
+def _weights(state: dict[str, Any], where: str) -> dict[str, np.ndarray]:
+    weights = state.get("weights")
+    if not isinstance(weights, dict) or not weights:
+        raise UnsafeCheckpointError(f"{where} holds no weights")
+    out = {}
+    for name, value in weights.items():
+        value = np.asarray(value) if isinstance(value, np.generic) else value  # SAC's log_alpha is a scalar
+        if not isinstance(name, str) or not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub":
+            raise UnsafeCheckpointError(f"{where}: weight {name!r} is not a numeric array")
+        out[name] = value
+    return out
+
+
+def policy_from_state(policy_id: str, state: dict[str, Any], where: str) -> CheckpointPolicy:
+    spec = state.get("policy_spec")
+    if not isinstance(spec, dict):
+        raise UnsafeCheckpointError(f"{where}: no policy_spec (RLlib >= 2.1 writes one)")
+    obs, act, original = _spaces(spec, where)
+    policy_class = spec.get("policy_class")
+    policy_class = policy_class.ref if isinstance(policy_class, Record) else str(policy_class)
+    config = spec.get("config") if isinstance(spec.get("config"), dict) else {}
+    return CheckpointPolicy(policy_id=policy_id, policy_class=policy_class, observation_space=obs,
+                            action_space=act, original_observation_space=original, config=config,
+                            weights=_weights(state, where), global_timestep=int(state.get("global_timestep") or 0),
+                            filter=connector_filter(state, where))
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Read an RLlib Algorithm or Policy checkpoint directory (see the module docstring)."""
+    root = Path(path)
+    if root.is_symlink() or not root.is_dir():
+        raise UnsafeCheckpointError(f"{root} is not a checkpoint directory (a real directory, not a link)")
+    meta = _metadata(root)
+    result = Checkpoint(path=root, type=meta["type"], format=meta.get("format", "cloudpickle"),
+                        version=str(meta["checkpoint_version"]), ray_version=str(meta.get("ray_version", "?")))
+    state = _state(root, (), meta)
+    if meta["type"] == "Policy":
+        policy = policy_from_state("default_policy", state, str(root))
+        if policy.filter is None and not state.get("connector_configs"):
+            policy.filter_note = ("a Policy checkpoint written with connectors off carries no observation filter: "
+                                  "RLlib kept it in the Algorithm checkpoint's algorithm_state.pkl")
+        result.policies[policy.policy_id] = policy
+        return result
+    ids = meta.get("policy_ids") or sorted(state.get("worker", {}).get("policy_ids") or [])
+    for pid in ids:
+        if not isinstance(pid, str) or not POLICY_ID.match(pid) or pid in (".", ".."):
+            raise UnsafeCheckpointError(f"{root}: policy id {pid!r} is not a plain name")
+        parts = ("policies", pid)
+        pmeta = _metadata(root, parts)
+        policy = policy_from_state(pid, _state(root, parts, pmeta), str(root.joinpath(*parts)))
+        if policy.filter is None:
+            policy.filter = worker_filter(state, pid, str(root / "algorithm_state.pkl"))
+        result.policies[pid] = policy
+    return result

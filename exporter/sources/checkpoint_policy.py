@@ -1,0 +1,409 @@
+"""A served policy rebuilt from one policy of an RLlib checkpoint (read by :mod:`exporter.sources.checkpoint`).
+
+:func:`load_checkpoint_policy` builds a :class:`policy.TFPolicy` whose graph takes what the
+environment emits and computes what RLlib computes for it, from the checkpoint's config and
+weights alone:
+
+1. **observations**: one input per leaf of the environment's space (``observations/<nest
+   path>``), flattened as RLlib's preprocessor does (Discrete and MultiDiscrete one-hot, Box
+   flattened, leaves in gymnasium's order);
+2. **the observation filter** (``MeanStdFilter``/``ConcurrentMeanStdFilter``) with the
+   checkpoint's running statistics: ``(x - mean) / (std + 1e-6)`` in float32, then its clip
+   (``use_filter=False`` leaves it out, for a caller who applies it);
+3. **the network** (:mod:`exporter.sources.rllib_nets`): RLlib's fully connected net, its LSTM
+   wrapper (one step, the state ``state_in_0``/``state_in_1`` = ``h``/``c`` carried by the
+   caller), DQN's Q head, SAC's and CQL's actor net;
+4. **the action head** with RLlib's meanings: with ``explore`` false the distribution's
+   deterministic sample (argmax, the Gaussian mean, SAC's squashed mean) with ``action_logp`` 0;
+   with ``explore`` true a sample and its log-probability. DQN explores epsilon-greedily on a
+   schedule of the training step, which a served model does not have: its export has no
+   ``explore`` input and serves the greedy action;
+5. **the actions**: ``actions="environment"`` (the default) gives what
+   ``Algorithm.compute_single_action`` hands the environment: with ``normalize_actions`` each
+   bounded float Box leaf unsquashed from [-1, 1] to its bounds and clipped to them, else with
+   ``clip_actions`` clipped; ``actions="policy"`` gives what ``policy.compute_actions`` returns.
+
+Extra outputs are RLlib's own: ``vf_preds`` (the value function) for the policy-gradient
+family, ``q_values`` for DQN.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import tensorflow as tf
+
+from policy_export.errors import ExportError
+from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterState
+from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
+from policy_export.exporter.sources.rllib_nets import NetWeights, fcnet, lstm_step, q_values
+from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
+from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
+from policy_export.policy.tf_policy import TFPolicy, session_config
+from policy_export.signatures.keys import (
+    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD,
+    SEQ_LENS, TIMESTEP, action_key, state_in_key, state_out_key,
+)
+
+tf1 = tf.compat.v1
+log = logging.getLogger(__name__)
+
+ACTIONS = ("environment", "policy")
+# policy classes by the network and head the package rebuilds for them (class names of ray 2.1-2.9)
+ACTOR_CRITIC = ("PPOTF1Policy", "PPOTF2Policy", "PPOTFPolicy", "APPOTF1Policy", "APPOTF2Policy", "ImpalaTF1Policy",
+                "ImpalaTF2Policy", "A3CTFPolicy", "A3CTF1Policy", "A3CTF2Policy", "PGTF1Policy", "PGTF2Policy",
+                "MARWILTF1Policy", "MARWILTF2Policy", "BCTF1Policy", "BCTF2Policy")
+Q_LEARNING = ("DQNTFPolicy", "DQNTF1Policy", "DQNTF2Policy")
+SOFT_ACTOR = ("SACTFPolicy", "SACTF1Policy", "SACTF2Policy", "CQLTFPolicy", "CQLTF1Policy", "CQLTF2Policy")
+# RLlib's MODEL_DEFAULTS for the keys the rebuilt networks read
+MODEL_DEFAULTS = {"fcnet_hiddens": [256, 256], "fcnet_activation": "tanh", "post_fcnet_hiddens": [],
+                  "post_fcnet_activation": "relu", "free_log_std": False, "no_final_linear": False,
+                  "vf_share_layers": True, "use_lstm": False, "lstm_cell_size": 256, "lstm_use_prev_action": False,
+                  "lstm_use_prev_reward": False, "max_seq_len": 20}
+FROM_RLLIB = ("load the checkpoint with RLlib (the ray version that wrote it) in your own process and pass the "
+              "policy to policy_export.from_rllib")
+
+
+@dataclass
+class _Net:
+    """The rebuilt network's tensors inside the policy graph."""
+
+    dist_inputs: tf.Tensor
+    extras: dict[str, tf.Tensor]
+    state_in: list[tf.Tensor] = field(default_factory=list)
+    state_out: list[tf.Tensor] = field(default_factory=list)
+    seq_lens: tf.Tensor | None = None
+    prev_action: tf.Tensor | None = None
+    prev_reward: tf.Tensor | None = None
+
+
+class _OneLeaf:
+    """A single-leaf distribution (SAC's squashed Gaussian) with :class:`ActionDistribution`'s lists."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def deterministic_sample(self):
+        return [self.part.deterministic_sample()]
+
+    def sample(self):
+        return [self.part.sample()]
+
+    def logp(self, actions):
+        return self.part.logp(actions[0])
+
+    def postprocess(self, actions, clip: bool = True):
+        return [self.part.postprocess(actions[0], clip)]
+
+
+def model_config(policy: CheckpointPolicy) -> dict[str, Any]:
+    """The policy's ``model`` config over RLlib's defaults."""
+    given = policy.config.get("model") if isinstance(policy.config.get("model"), dict) else {}
+    return {**MODEL_DEFAULTS, **{k: v for k, v in given.items() if v is not None or k not in MODEL_DEFAULTS}}
+
+
+def network_kind(policy: CheckpointPolicy) -> str:
+    """``actor_critic``, ``q_learning`` or ``soft_actor``: which network the package rebuilds.
+
+    Raises:
+        ExportError: a policy class, custom model or network the package does not rebuild,
+            naming it and pointing to ``from_rllib``.
+    """
+    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
+    model = model_config(policy)
+    custom = model.get("custom_model")
+    if custom:
+        name = getattr(custom, "ref", custom)
+        raise ExportError(f"{where} uses the custom model {name!r}, which cannot be rebuilt from a checkpoint; "
+                          f"{FROM_RLLIB}")
+    for key in ("use_attention",):
+        if model.get(key):
+            raise ExportError(f"{where}: model {key} (the attention net) is not rebuilt from checkpoints; {FROM_RLLIB}")
+    _check_fully_connected(policy, where)
+    name = policy.policy_class.rsplit(".", 1)[-1]
+    for kind, classes in (("actor_critic", ACTOR_CRITIC), ("q_learning", Q_LEARNING), ("soft_actor", SOFT_ACTOR)):
+        if name in classes:
+            if model.get("use_lstm") and kind != "actor_critic":
+                raise ExportError(f"{where}: use_lstm with {name} is not rebuilt from checkpoints; {FROM_RLLIB}")
+            return kind
+    raise ExportError(f"{where}: the policy class {name} is not one the package rebuilds from a checkpoint "
+                      f"(it rebuilds {', '.join(ACTOR_CRITIC[:1] + Q_LEARNING[:1] + SOFT_ACTOR[:1])} and their "
+                      f"family); {FROM_RLLIB}")
+
+
+def _check_fully_connected(policy: CheckpointPolicy, where: str) -> None:
+    """RLlib picks its fully connected net for a 1-D Box input whose original space has no image."""
+    space, original = policy.observation_space, policy.original_observation_space
+    images = [leaf for leaf in leaves(original or space)
+              if isinstance(leaf.space, gym.spaces.Box) and len(leaf.space.shape) >= 2]
+    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or images:
+        net = "VisionNetwork" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "ComplexInputNetwork"
+        raise ExportError(f"{where}: observations {original or space} make RLlib build its {net}, which is not "
+                          f"rebuilt from checkpoints yet; {FROM_RLLIB}")
+
+
+def observation_space(policy: CheckpointPolicy) -> tuple[gym.Space, bool]:
+    """The space the export takes (the environment's) and whether the graph flattens it."""
+    original = policy.original_observation_space
+    if original is None:
+        return policy.observation_space, not _is_float_box(policy.observation_space)
+    width = preprocessor_width(original)
+    if width != int(np.prod(policy.observation_space.shape)):
+        raise ExportError(f"policy {policy.policy_id!r}: the original observation space {original} flattens to "
+                          f"{width} values, the policy's input has {policy.observation_space.shape}")
+    return original, True
+
+
+def _is_float_box(space: gym.Space) -> bool:
+    return isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
+
+
+def _observations(space: gym.Space, flatten: bool):
+    """``(placeholders, flat float32 model input)``."""
+    obs = {leaf.key(OBSERVATIONS): tf1.placeholder(tf.as_dtype(leaf_dtype(leaf.space)), (None, *leaf_shape(leaf.space)),
+                                                   name=leaf.key(OBSERVATIONS))
+           for leaf in leaves(space)}
+    with tf1.name_scope("rllib_preprocessor"):
+        flat = flatten_like_preprocessor(space, obs, tf.float32) if flatten else tf.cast(obs[OBSERVATIONS], tf.float32)
+    return (obs[OBSERVATIONS] if set(obs) == {OBSERVATIONS} else obs), flat
+
+
+def filtered(x: tf.Tensor, state: FilterState | None) -> tf.Tensor:
+    """RLlib's ``MeanStdFilter`` (not updated) on the flat observations ``x``, in float32."""
+    if state is None:
+        return x
+    width = int(x.shape[-1])
+    if state.mean.shape != (width,):
+        raise ExportError(f"the observation filter's statistics have shape {list(state.mean.shape)}, the "
+                          f"preprocessed observations {width} values")
+    with tf1.name_scope("observation_filter"):
+        if state.demean:
+            x = x - tf.constant(state.mean.astype(np.float32), name="mean")
+        if state.destd:
+            x = x / tf.constant((state.std + 1e-6).astype(np.float32), name="std_plus_eps")
+        if state.clip:
+            x = tf.clip_by_value(x, -float(state.clip), float(state.clip))
+    return x
+
+
+def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any]) -> _Net:
+    num_outputs = ActionDistribution.required_inputs(policy.action_space)
+    if not model.get("use_lstm"):
+        out, value = fcnet(x, w, model, num_outputs)
+        return _Net(out, {"vf_preds": tf.reshape(value, [-1])})
+    features, _ = fcnet(x, w, model, None, with_value=False)
+    cell = int(model["lstm_cell_size"])
+    net = _Net(features, {})
+    net.state_in = [tf1.placeholder(tf.float32, (None, cell), name=state_in_key(i)) for i in range(2)]
+    net.seq_lens = tf1.placeholder(tf.int32, (None,), name=SEQ_LENS)
+    parts = [features]
+    if model.get("lstm_use_prev_action"):
+        net.prev_action, prev = _prev_action(policy.action_space)
+        parts.append(prev)
+    if model.get("lstm_use_prev_reward"):
+        net.prev_reward = tf1.placeholder(tf.float32, (None,), name=PREV_REWARD)
+        parts.append(tf.reshape(net.prev_reward, (-1, 1)))
+    lstm_in = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
+    logits, values, (h, c) = lstm_step(lstm_in, (net.state_in[0], net.state_in[1]), w, cell, num_outputs)
+    active = tf.expand_dims(net.seq_lens > 0, -1)  # a zero-length sequence keeps its state, as Keras's mask does
+    net.state_out = [tf.where(active, h, net.state_in[0]), tf.where(active, c, net.state_in[1])]
+    net.dist_inputs, net.extras = logits, {"vf_preds": tf.reshape(values, [-1])}
+    return net
+
+
+def _prev_action(space: gym.Space) -> tuple[tf.Tensor, tf.Tensor]:
+    """The previous action's placeholder and its features as ``LSTMWrapper`` concatenates them."""
+    if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        raise ExportError("lstm_use_prev_action with a Dict or Tuple action space is not rebuilt from checkpoints")
+    ph = tf1.placeholder(tf.as_dtype(leaf_dtype(space)), (None, *leaf_shape(space)), name=PREV_ACTION)
+    if isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+        return ph, flatten_like_preprocessor(space, {PREV_ACTION: ph}, tf.float32)
+    return ph, tf.reshape(tf.cast(ph, tf.float32), (-1, int(np.prod(space.shape))))
+
+
+def _q_learning(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any]) -> _Net:
+    config = policy.config
+    if not isinstance(policy.action_space, gym.spaces.Discrete):
+        raise ExportError(f"DQN needs a Discrete action space, the checkpoint has {policy.action_space}")
+    for key in ("noisy", "add_layer_norm"):
+        if config.get(key):
+            raise ExportError(f"DQN with {key} is not rebuilt from checkpoints; {FROM_RLLIB}")
+    n = int(policy.action_space.n)
+    if config.get("hiddens"):
+        base = dict(model, no_final_linear=True)
+        num_outputs = ([256] + list(model.get("fcnet_hiddens") or []))[-1]
+    else:
+        base, num_outputs = model, n
+    out, _ = fcnet(x, w, base, int(num_outputs), with_value=False)
+    q = q_values(out, w, config, n)
+    return _Net(q, {"q_values": q})
+
+
+def _soft_actor(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights) -> _Net:
+    actor = {**MODEL_DEFAULTS, **(policy.config.get("policy_model_config") or {})}
+    if actor.get("custom_model"):
+        raise ExportError(f"SAC's policy_model_config names the custom model {actor['custom_model']!r}; {FROM_RLLIB}")
+    num_outputs = ActionDistribution.required_inputs(policy.action_space)
+    out, _ = fcnet(x, w, actor, num_outputs, with_value=False)
+    return _Net(out, {})
+
+
+def _squashed(kind: str, policy: CheckpointPolicy) -> bool:
+    """SAC's (and CQL's) Box actions: RLlib's ``SquashedGaussian`` when ``normalize_actions``."""
+    if kind != "soft_actor" or not isinstance(policy.action_space, gym.spaces.Box):
+        return False
+    if policy.config.get("_use_beta_distribution"):
+        raise ExportError("SAC with _use_beta_distribution is not rebuilt from checkpoints")
+    return bool(policy.config.get("normalize_actions", True))
+
+
+def _distribution(kind: str, policy: CheckpointPolicy, dist_inputs: tf.Tensor):
+    if _squashed(kind, policy):
+        return _OneLeaf(SquashedGaussian(dist_inputs, policy.action_space))
+    return ActionDistribution(dist_inputs, policy.action_space)
+
+
+def _transforms(space: gym.Space, config: Mapping[str, Any]) -> bool:
+    """Whether :func:`environment_actions` changes actions of the leaf ``space``."""
+    if not (isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)):
+        return False
+    if config.get("normalize_actions", True):
+        return bool(np.all(space.bounded_below)) and bool(np.all(space.bounded_above))
+    return bool(config.get("clip_actions"))
+
+
+def environment_actions(actions: list[tf.Tensor], space: gym.Space, config: Mapping[str, Any]) -> list[tf.Tensor]:
+    """What ``compute_single_action`` hands the environment: ``unsquash_action`` with
+    ``normalize_actions``, else ``clip_action`` with ``clip_actions``; per leaf, in leaf order."""
+    normalize, clip = bool(config.get("normalize_actions", True)), bool(config.get("clip_actions"))
+    out = []
+    for leaf, a in zip(leaves(space), actions):
+        s = leaf.space
+        if _transforms(s, config):
+            low, high = np.asarray(s.low, s.dtype), np.asarray(s.high, s.dtype)
+            if normalize:
+                a = tf.clip_by_value(low + (a + 1.0) * (high - low) / 2.0, low, high)
+            elif clip:
+                a = tf.clip_by_value(a, low, high)
+        out.append(a)
+    return out
+
+
+def _heads(kind: str, policy: CheckpointPolicy, net: _Net, actions: str):
+    """``(outputs, deterministic outputs, raw actions, explore placeholder or None)``."""
+    dist_inputs = tf.identity(net.dist_inputs, name=ACTION_DIST_INPUTS)
+    dist = _distribution(kind, policy, dist_inputs)
+
+    def final(raw):
+        done = dist.postprocess(raw, clip=False)
+        return environment_actions(done, policy.action_space, policy.config) if actions == "environment" else done
+
+    extras = {k: tf.identity(t, name=f"extra/{k}") for k, t in net.extras.items()}
+    states = {state_out_key(i): tf.identity(t, name=state_out_key(i)) for i, t in enumerate(net.state_out)}
+    with tf1.name_scope("deterministic"):
+        det_raw = dist.deterministic_sample()
+        zeros = tf.zeros_like(dist_inputs[:, 0])
+        deterministic = {action_key(i): tf.identity(a) for i, a in enumerate(final(det_raw))}
+        deterministic.update({**extras, **states, ACTION_DIST_INPUTS: tf.identity(dist_inputs),
+                              ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.ones_like(zeros)})
+    if kind == "q_learning":  # the greedy action is all it serves: the same tensors
+        return dict(deterministic), deterministic, det_raw, None
+    explore = tf1.placeholder_with_default(False, (), name=EXPLORE)
+    raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
+    raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    sampled_logp = dist.logp(raw)
+    logp = tf.cond(explore, lambda: sampled_logp, lambda: tf.zeros_like(sampled_logp), name=ACTION_LOGP)
+    outputs = {action_key(i): tf.identity(a, name=action_key(i)) for i, a in enumerate(final(raw))}
+    outputs[ACTION_LOGP] = logp
+    return outputs, deterministic, raw, explore
+
+
+def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True, actions: str = "environment",
+                           device: str | None = None) -> tuple[TFPolicy, dict[str, Any]]:
+    """The :class:`TFPolicy` for one checkpoint policy, and the record of what it holds.
+
+    Raises:
+        ExportError: a policy, network or space the package does not rebuild (see
+            :func:`network_kind`); ``actions`` not one of :data:`ACTIONS`.
+        WeightsError: the weights do not fit the network the config describes (each named).
+    """
+    if actions not in ACTIONS:
+        raise ExportError(f"actions {actions!r}: expected one of {', '.join(ACTIONS)}")
+    kind = network_kind(policy)
+    space, flatten = observation_space(policy)
+    model = model_config(policy)
+    weights = NetWeights(policy.weights, f"checkpoint policy {policy.policy_id!r}")
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(device):
+        tf1.set_random_seed(0)  # sampled actions: the same export verdict on every run
+        obs, flat = _observations(space, flatten)
+        x = filtered(flat, policy.filter if use_filter else None)
+        with tf1.name_scope("network"):
+            if kind == "actor_critic":
+                net = _actor_critic(policy, x, weights, model)
+            elif kind == "q_learning":
+                net = _q_learning(policy, x, weights, model)
+            else:
+                net = _soft_actor(policy, x, weights)
+        outputs, deterministic, raw, explore = _heads(kind, policy, net, actions)
+        is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
+        timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
+    session = tf1.Session(graph=graph, config=session_config(device))
+    action_keys = [k for k in outputs if k.startswith("actions_")]
+    # the parity check of sampled log-probabilities feeds a format's actions back as the raw
+    # sample: only possible while the served actions are the distribution's own, and not for a
+    # tanh-squashed sample (atanh near the bounds turns float32 rounding into large logp errors)
+    transformed = (actions == "environment" and any(_transforms(leaf.space, policy.config)
+                                                    for leaf in leaves(policy.action_space))) \
+        or _squashed(kind, policy)
+    tf_policy = TFPolicy(
+        space, policy.action_space, session, observations=obs, sampled_action=[outputs[k] for k in action_keys],
+        action_logp=outputs[ACTION_LOGP], action_dist_inputs=deterministic[ACTION_DIST_INPUTS],
+        explore=explore, is_training=is_training, timestep=timestep, extra_fetches=_extras(deterministic, net),
+        raw_actions=None if transformed else raw, state_inputs=net.state_in, state_outputs=[deterministic[state_out_key(i)]
+                                                                    for i in range(len(net.state_out))],
+        seq_lens=net.seq_lens, prev_action=net.prev_action, prev_reward=net.prev_reward,
+        deterministic_outputs=deterministic, name=policy.policy_id,
+    )
+    if explore is None:
+        tf_policy.explore_refused = ("DQN explores epsilon-greedily on a schedule of the training step; the "
+                                     "export serves the greedy action")
+    return tf_policy, _record(policy, kind, model, weights, use_filter, actions)
+
+
+def _extras(deterministic: dict[str, tf.Tensor], net: _Net) -> dict[str, tf.Tensor]:
+    return {k: deterministic[k] for k in net.extras}
+
+
+def filter_record(state: FilterState | None) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    return {"class": state.kind, "source": state.source, "count": int(state.n), "demean": state.demean,
+            "destd": state.destd, "clip": state.clip, "mean": state.mean.tolist(), "std": state.std.tolist(),
+            "formula": "(x - mean) / (std + 1e-6), then clip to [-clip, clip] when clip is set"}
+
+
+def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights: NetWeights, use_filter: bool,
+            actions: str) -> dict[str, Any]:
+    used = set(weights.used)
+    scope = f"{weights.scope}/" if weights.scope else ""
+    unused = sorted(f"{scope}{n}" for n in weights.arrays if f"{scope}{n}" not in used)
+    filt = filter_record(policy.filter)
+    return {
+        "policy_id": policy.policy_id, "policy_class": policy.policy_class, "network": kind,
+        "model": {k: model.get(k) for k in MODEL_DEFAULTS},
+        "weights_used": sorted(used), "weights_not_in_the_served_graph": unused,
+        "observation_space": space_to_json(observation_space(policy)[0]),
+        "observation_filter": filt if use_filter else None,
+        "observation_filter_left_out": filt if not use_filter else None,
+        "observation_filter_note": policy.filter_note,
+        "actions": actions,
+        "normalize_actions": bool(policy.config.get("normalize_actions", True)),
+        "clip_actions": bool(policy.config.get("clip_actions")),
+        "global_timestep": policy.global_timestep,
+    }

@@ -1,0 +1,317 @@
+"""``convert`` of RLlib checkpoints: the exported ``model.onnx`` against RLlib's own outputs.
+
+The checkpoints under ``fixtures/rllib/checkpoints/`` were written by RLlib itself (ray 2.9.3,
+``fixtures/rllib/make_checkpoints.py``), with RLlib's ``policy.compute_actions(explore=False)`` on
+its own filtered observations in ``expected.npz``. Each test converts a checkpoint without ray and
+feeds ``model.onnx`` the raw environment observations and only the inputs its contract requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policy_export.errors import ExportError, UnsafeCheckpointError, WeightsError
+from policy_export.exporter.convert import convert_checkpoint, convert_checkpoint_policies
+from policy_export.exporter.options import ExportOptions
+from policy_export.exporter.sources.checkpoint import read_checkpoint
+from policy_export.exporter.sources.checkpoint_policy import load_checkpoint_policy
+from test_cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = ROOT / "fixtures/rllib/checkpoints"
+CASES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "case.json").is_file())
+FAST = ExportOptions(samples=200, explore_samples=1000)
+FLOAT_TOLERANCE = 1e-5  # RLlib's floats against model.onnx, per output
+EXTRAS = ("action_dist_inputs", "vf_preds", "q_values")
+
+
+def _case(name: str) -> dict:
+    return json.loads((CHECKPOINTS / name / "case.json").read_text())
+
+
+def _expected(name: str) -> dict[str, np.ndarray]:
+    with np.load(CHECKPOINTS / name / "expected.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def _observations(expected: dict, pid: str, step: int | None = None) -> dict[str, np.ndarray]:
+    """The raw observations under the export's keys (``observations``, ``observations/<key>``)."""
+    prefix = f"{pid}/obs"
+    out = {}
+    for key, value in expected.items():
+        if key == prefix or key.startswith(prefix + "/"):
+            out["observations" + key[len(prefix):]] = value if step is None else value[step]
+    return out
+
+
+PARAMS = [(case, pid) for case in CASES for pid in _case(case)["policy_ids"]]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(case, policy id, actions) -> the export directory, converted once per module."""
+    made: dict[tuple[str, str, str], Path] = {}
+
+    def get(case: str, pid: str, actions: str = "environment") -> Path:
+        key = (case, pid, actions)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{case}_{actions}") / pid
+            convert_checkpoint(CHECKPOINTS / case / "checkpoint", out, policy_id=pid, actions=actions,
+                               device="cpu", options=FAST)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+class OnnxPolicy:
+    """``model.onnx`` of an export, fed only the inputs its contract requires."""
+
+    def __init__(self, export: Path):
+        import onnxruntime as ort
+
+        self.manifest = json.loads((export / "manifest.json").read_text())
+        self.required = [s["key"] for s in self.manifest["contract"]["inputs"] if s["required"]]
+        self.session = ort.InferenceSession(str(export / "model.onnx"), providers=["CPUExecutionProvider"])
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert sorted(feeds) == sorted(self.required), (sorted(feeds), self.required)
+        listed = {i.name for i in self.session.get_inputs()}
+        assert set(self.required) <= listed
+        return dict(zip(self.outputs, self.session.run(None, feeds)))
+
+
+def _compare(got: dict, expected: dict, pid: str, actions_key: str, step: int | None = None) -> dict[str, float]:
+    """Assert the actions (discrete: identical; floats: within the tolerance) and the extras;
+    returns the largest error per output."""
+    def want(name):
+        value = expected[f"{pid}/{name}"]
+        return value if step is None else value[step]
+
+    errors = {}
+    action = want(actions_key)
+    if np.issubdtype(action.dtype, np.integer):
+        np.testing.assert_array_equal(got["actions_0"], action.reshape(got["actions_0"].shape))
+        errors["actions_0"] = 0.0
+    else:
+        errors["actions_0"] = float(np.max(np.abs(got["actions_0"] - action.reshape(got["actions_0"].shape))))
+    for name in EXTRAS:
+        if f"{pid}/{name}" in expected and name in got:
+            errors[name] = float(np.max(np.abs(got[name] - want(name).reshape(got[name].shape))))
+    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors
+    return errors
+
+
+def _actions_key(expected: dict, pid: str, actions: str) -> str:
+    return "env_actions" if actions == "environment" and f"{pid}/env_actions" in expected else "actions"
+
+
+@pytest.mark.parametrize("case,pid", PARAMS)
+def test_model_onnx_reproduces_rllib_on_raw_observations(exported, case, pid):
+    expected = _expected(case)
+    policy = OnnxPolicy(exported(case, pid))
+    key = _actions_key(expected, pid, "environment")
+    if "state_in_0" not in policy.required:
+        errors = _compare(policy.run(_observations(expected, pid)), expected, pid, key)
+        assert set(errors) >= {"actions_0", "action_dist_inputs"}
+        return
+    state = [expected[f"{pid}/state_in_{i}"][0] for i in range(2)]
+    steps = expected[f"{pid}/actions"].shape[0]
+    for step in range(steps):  # RLlib carried its state; so does the client here
+        feeds = {**_observations(expected, pid, step), "state_in_0": state[0], "state_in_1": state[1],
+                 "seq_lens": np.ones(len(state[0]), np.int32)}
+        for name in ("prev_action", "prev_reward"):
+            if name in policy.required:
+                feeds[name] = expected[f"{pid}/{name}"][step]
+        got = policy.run(feeds)
+        _compare(got, expected, pid, key, step)
+        for i in range(2):
+            np.testing.assert_allclose(got[f"state_out_{i}"], expected[f"{pid}/state_out_{i}"][step],
+                                       atol=FLOAT_TOLERANCE, rtol=0)
+        state = [got["state_out_0"], got["state_out_1"]]
+
+
+BOX_CASES = [(c, p) for c, p in PARAMS if f"{p}/env_actions" in _expected(c)]
+
+
+@pytest.mark.parametrize("case,pid", BOX_CASES)
+def test_policy_actions_are_rllibs_compute_actions(exported, case, pid):
+    expected = _expected(case)
+    policy = OnnxPolicy(exported(case, pid, "policy"))
+    _compare(policy.run(_observations(expected, pid)), expected, pid, "actions")
+    assert policy.manifest["contract"]["actions"] == "policy"
+    if _case(case)["normalize_actions"]:
+        env = OnnxPolicy(exported(case, pid)).run(_observations(expected, pid))["actions_0"]
+        assert not np.allclose(env, expected[f"{pid}/actions"].reshape(env.shape), atol=1e-3), \
+            "the environment's action equals the policy's: the case does not test the unsquashing"
+
+
+def test_the_filter_and_its_statistics_are_in_the_contract(exported):
+    case = _case("ppo_filter")
+    manifest = OnnxPolicy(exported("ppo_filter", "default_policy")).manifest
+    recorded = manifest["contract"]["observation_filter"]
+    rllib = case["filters"]["default_policy"]
+    assert recorded["class"] == rllib["class"] == "MeanStdFilter" and recorded["count"] == rllib["n"]
+    np.testing.assert_allclose(recorded["mean"], rllib["mean"], rtol=1e-12)
+    np.testing.assert_allclose(recorded["std"], rllib["std"], rtol=1e-12)
+    assert manifest["contract"]["actions"] == "environment"
+    source = manifest["source"]
+    assert source["kind"] == "rllib_checkpoint" and source["ray_version"] == "2.9.3"
+    assert "default_policy/fc_2/kernel" in source["weights_used"]
+
+
+def test_no_filter_takes_rllibs_filtered_observations(tmp_path):
+    expected = _expected("ppo_filter")
+    out = tmp_path / "raw"
+    convert_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint", out, use_filter=False, device="cpu", options=FAST)
+    policy = OnnxPolicy(out)
+    got = policy.run({"observations": expected["default_policy/filtered"]})
+    _compare(got, expected, "default_policy", "actions")
+    assert policy.manifest["contract"]["observation_filter"] is None
+    assert policy.manifest["source"]["observation_filter_left_out"]["class"] == "MeanStdFilter"
+
+
+def test_all_policies_one_export_each(tmp_path):
+    results = convert_checkpoint_policies(CHECKPOINTS / "multi_agent/checkpoint", tmp_path / "league", device="cpu",
+                                          options=FAST)
+    assert sorted(results) == ["alpha", "beta"]
+    sizes = {}
+    for pid in results:
+        manifest = json.loads((tmp_path / "league" / pid / "manifest.json").read_text())
+        assert manifest["source"]["policy_id"] == pid
+        sizes[pid] = len(manifest["source"]["weights_used"])
+    assert sizes == {"alpha": 8, "beta": 12}  # [16] and [8, 8]: their own networks
+
+
+def test_a_failing_policy_leaves_no_export_behind(tmp_path):
+    checkpoint = read_checkpoint(CHECKPOINTS / "multi_agent/checkpoint")
+    last = list(checkpoint.policies)[-1]
+    checkpoint.policies[last].config["model"]["custom_model"] = "MyNet"
+    out = tmp_path / "league"
+    with pytest.raises(ExportError, match="custom model 'MyNet'"):
+        convert_checkpoint_policies(checkpoint, out, device="cpu", options=FAST)
+    assert not out.exists()
+
+
+def test_weights_that_do_not_fit_the_config_are_named():
+    policy = read_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint").policy()
+    policy.weights["default_policy/fc_2/kernel"] = np.zeros((16, 8), np.float32)
+    with pytest.raises(WeightsError, match=r"fc_2/kernel has shape \[16, 8\], the config implies \[16, 16\]"):
+        load_checkpoint_policy(policy)
+    del policy.weights["default_policy/fc_2/kernel"]
+    with pytest.raises(WeightsError, match="does not hold"):
+        load_checkpoint_policy(policy)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda p: p.config["model"].update(custom_model="MyNet"), "custom model 'MyNet'.*from_rllib"),
+    (lambda p: setattr(p, "policy_class", "MyTFPolicy"), "MyTFPolicy is not one the package rebuilds"),
+    (lambda p: setattr(p, "observation_space", __import__("gymnasium").spaces.Box(0, 1, (84, 84, 3))),
+     "VisionNetwork"),
+    (lambda p: p.config["model"].update(use_attention=True), "attention"),
+])
+def test_what_is_not_rebuilt_is_named(change, message):
+    policy = read_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint").policy()
+    change(policy)
+    with pytest.raises(ExportError, match=message):
+        load_checkpoint_policy(policy)
+
+
+def test_convert_runs_where_ray_cannot_be_imported(tmp_path):
+    out = tmp_path / "out"
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from policy_export.exporter.cli import main\n"
+            f"code = main(['convert', {str(CHECKPOINTS / 'ppo_lstm/checkpoint')!r}, '--out', {str(out)!r}, "
+            "'--samples', '100', '--device', 'cpu'])\n"
+            "assert sys.modules['ray'] is None\n"
+            "sys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["source"]["network"] == "actor_critic"
+
+
+# ------------------------------------------------------------------------------- hostile, CLI
+
+class _Payload:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def _hostile_pickle(target: Path, marker: Path) -> None:
+    (target / "policy_state.pkl").write_bytes(pickle.dumps({"weights": {"w": _Payload(str(marker))}}))
+
+
+def _msgpack_bomb(target: Path, marker: Path) -> None:
+    shutil.rmtree(target)
+    shutil.copytree(CHECKPOINTS / "policy_msgpack/checkpoint", target)
+    (target / "policy_state.msgpck").write_bytes(b"\xdf\xff\xff\xff\xff")
+
+
+def _huge_array(target: Path, marker: Path) -> None:
+    (target / "policy_state.pkl").write_bytes(
+        b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n" + pickle.dumps((1 << 40,), 2)[2:-1]
+        + b"C\x01b\x87R.")
+
+
+def _symlinked_state(target: Path, marker: Path) -> None:
+    outside = target.parent / "elsewhere.pkl"
+    shutil.move(target / "policy_state.pkl", outside)
+    (target / "policy_state.pkl").symlink_to(outside)
+
+
+def _state_file_outside(target: Path, marker: Path) -> None:
+    meta = json.loads((target / "rllib_checkpoint.json").read_text())
+    (target / "rllib_checkpoint.json").write_text(json.dumps({**meta, "state_file": "../elsewhere.pkl"}))
+    shutil.copy(target / "policy_state.pkl", target.parent / "elsewhere.pkl")
+    (target / "policy_state.pkl").unlink()
+
+
+@pytest.mark.parametrize("make", [_hostile_pickle, _msgpack_bomb, _huge_array, _symlinked_state, _state_file_outside])
+def test_a_hostile_checkpoint_is_exit_2_with_nothing_run_or_written(tmp_path, make):
+    target = tmp_path / "ck"
+    shutil.copytree(CHECKPOINTS / "policy_cloudpickle/checkpoint", target)
+    marker = tmp_path / "ran"
+    make(target, marker)
+    out = tmp_path / "out"
+    run = cli("convert", str(target), "--out", str(out))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "error:" in run.stderr and "Traceback" not in run.stderr
+    assert not marker.exists() and not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--signature", "x"], "--signature apply to SavedModels only"),
+    (["--policy-id", "gamma"], "holds no policy 'gamma'; its policy ids: beta, alpha"),
+    ([], "holds 2 policies"),
+    (["--policy-id", "alpha", "--all-policies"], "exclude each other"),
+])
+def test_checkpoint_options_are_checked_before_anything_runs(tmp_path, args, message):
+    run = cli("convert", str(CHECKPOINTS / "multi_agent/checkpoint"), "--out", str(tmp_path / "o"), *args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_options_on_a_saved_model_are_refused(tmp_path):
+    run = cli("convert", str(tmp_path), "--out", str(tmp_path / "o"), "--no-filter")
+    assert run.returncode == 2 and "--no-filter apply to RLlib checkpoints only" in run.stderr, run.stderr
+
+
+def test_cli_all_policies(tmp_path):
+    run = cli("convert", str(CHECKPOINTS / "multi_agent/checkpoint"), "--out", str(tmp_path / "o"), "--all-policies",
+              "--samples", "100", "--explore-samples", "500", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    assert "MeanStdFilter (n=" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["alpha", "beta"]
