@@ -3,7 +3,8 @@
     cli.py, options.py                the command line; every cheap check of the options, once
     export.py, verify.py, convert.py  the pipelines
     sources/    what comes in: the TF1 SavedModel (RLlib <= 2.0), the Keras base model
-                (RLlib >= 2.1), a live RLlib policy, the LSTM step rebuild
+                (RLlib >= 2.1), a live RLlib policy, the LSTM step rebuild, RLlib checkpoints
+                (the safe reader, the networks rebuilt from their config)
     formats/    one plugin per format: its writer, its runner, its checks
     parity/     the parity plan, its replay, comparison, exploration, stepped and behavioural
                 parity, localisation
@@ -23,6 +24,8 @@ _WHERE = {
     "ALL_FORMATS": "policy_export.exporter.options", "ParityReport": "policy_export.exporter.parity.compare",
     "Tolerance": "policy_export.exporter.parity.compare", "Tolerances": "policy_export.exporter.parity.compare",
     "plan_devices": "policy_export.exporter.devices", "convert_saved_model": "policy_export.exporter.convert",
+    "convert_checkpoint": "policy_export.exporter.convert",
+    "convert_checkpoint_policies": "policy_export.exporter.convert",
 }
 __all__ = sorted(_WHERE)
 

@@ -22,7 +22,7 @@ _EXPORTS = {
         "CheckFailedError", "DeviceError", "ExportBusyError", "ExportError", "ExportExistsError",
         "EnvironmentMismatchError", "InputError", "PolicyExportError", "SpecError", "UnsupportedSpaceError",
         "WeightsError", "ParityFailedError", "UnsafeModelError", "RunTimeoutError", "DeclaredSizeError",
-        "ConversionError",
+        "ConversionError", "UnsafeCheckpointError",
     ),
     "policy_export.policy.spec": (
         "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",
@@ -32,7 +32,8 @@ _EXPORTS = {
     "policy_export.exporter.export": ("export_policy", "export_spec", "ExportResult"),
     "policy_export.exporter.verify": ("verify_export", "VerifyResult"),
     "policy_export.exporter.options": ("ExportOptions", "VerifyOptions", "ALL_FORMATS"),
-    "policy_export.exporter.convert": ("convert_saved_model",),
+    "policy_export.exporter.convert": ("convert_saved_model", "convert_checkpoint", "convert_checkpoint_policies"),
+    "policy_export.exporter.sources.checkpoint": ("read_checkpoint",),
     "policy_export.exporter.parity.compare": ("ParityReport", "Tolerance", "Tolerances"),
     "policy_export.signatures": ("Contract", "TensorSpec", "build_signature"),
 }

@@ -26,34 +26,12 @@ from policy_export.exporter.sources.checkpoint import read_checkpoint
 from policy_export.exporter.sources.checkpoint_policy import load_checkpoint_policy
 from test_cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS = ROOT / "fixtures/rllib/checkpoints"
-CASES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "case.json").is_file())
+from tests.checkpoint_matrix import (
+    CASES, CHECKPOINTS, FLOAT_TOLERANCE, OnnxPolicy, case_record, expected_outputs, onnx_errors, raw_observations,
+)
+
 FAST = ExportOptions(samples=200, explore_samples=1000)
-FLOAT_TOLERANCE = 1e-5  # RLlib's floats against model.onnx, per output
-EXTRAS = ("action_dist_inputs", "vf_preds", "q_values")
-
-
-def _case(name: str) -> dict:
-    return json.loads((CHECKPOINTS / name / "case.json").read_text())
-
-
-def _expected(name: str) -> dict[str, np.ndarray]:
-    with np.load(CHECKPOINTS / name / "expected.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-def _observations(expected: dict, pid: str, step: int | None = None) -> dict[str, np.ndarray]:
-    """The raw observations under the export's keys (``observations``, ``observations/<key>``)."""
-    prefix = f"{pid}/obs"
-    out = {}
-    for key, value in expected.items():
-        if key == prefix or key.startswith(prefix + "/"):
-            out["observations" + key[len(prefix):]] = value if step is None else value[step]
-    return out
-
-
-PARAMS = [(case, pid) for case in CASES for pid in _case(case)["policy_ids"]]
+PARAMS = [(case, pid) for case in CASES for pid in case_record(case)["policy_ids"]]
 
 
 @pytest.fixture(scope="module")
@@ -73,91 +51,33 @@ def exported(tmp_path_factory):
     return get
 
 
-class OnnxPolicy:
-    """``model.onnx`` of an export, fed only the inputs its contract requires."""
-
-    def __init__(self, export: Path):
-        import onnxruntime as ort
-
-        self.manifest = json.loads((export / "manifest.json").read_text())
-        self.required = [s["key"] for s in self.manifest["contract"]["inputs"] if s["required"]]
-        self.session = ort.InferenceSession(str(export / "model.onnx"), providers=["CPUExecutionProvider"])
-        self.outputs = [o.name for o in self.session.get_outputs()]
-
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        assert sorted(feeds) == sorted(self.required), (sorted(feeds), self.required)
-        listed = {i.name for i in self.session.get_inputs()}
-        assert set(self.required) <= listed
-        return dict(zip(self.outputs, self.session.run(None, feeds)))
-
-
-def _compare(got: dict, expected: dict, pid: str, actions_key: str, step: int | None = None) -> dict[str, float]:
-    """Assert the actions (discrete: identical; floats: within the tolerance) and the extras;
-    returns the largest error per output."""
-    def want(name):
-        value = expected[f"{pid}/{name}"]
-        return value if step is None else value[step]
-
-    errors = {}
-    action = want(actions_key)
-    if np.issubdtype(action.dtype, np.integer):
-        np.testing.assert_array_equal(got["actions_0"], action.reshape(got["actions_0"].shape))
-        errors["actions_0"] = 0.0
-    else:
-        errors["actions_0"] = float(np.max(np.abs(got["actions_0"] - action.reshape(got["actions_0"].shape))))
-    for name in EXTRAS:
-        if f"{pid}/{name}" in expected and name in got:
-            errors[name] = float(np.max(np.abs(got[name] - want(name).reshape(got[name].shape))))
-    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors
-    return errors
-
-
-def _actions_key(expected: dict, pid: str, actions: str) -> str:
-    return "env_actions" if actions == "environment" and f"{pid}/env_actions" in expected else "actions"
-
-
 @pytest.mark.parametrize("case,pid", PARAMS)
-def test_model_onnx_reproduces_rllib_on_raw_observations(exported, case, pid):
-    expected = _expected(case)
-    policy = OnnxPolicy(exported(case, pid))
-    key = _actions_key(expected, pid, "environment")
-    if "state_in_0" not in policy.required:
-        errors = _compare(policy.run(_observations(expected, pid)), expected, pid, key)
-        assert set(errors) >= {"actions_0", "action_dist_inputs"}
-        return
-    state = [expected[f"{pid}/state_in_{i}"][0] for i in range(2)]
-    steps = expected[f"{pid}/actions"].shape[0]
-    for step in range(steps):  # RLlib carried its state; so does the client here
-        feeds = {**_observations(expected, pid, step), "state_in_0": state[0], "state_in_1": state[1],
-                 "seq_lens": np.ones(len(state[0]), np.int32)}
-        for name in ("prev_action", "prev_reward"):
-            if name in policy.required:
-                feeds[name] = expected[f"{pid}/{name}"][step]
-        got = policy.run(feeds)
-        _compare(got, expected, pid, key, step)
-        for i in range(2):
-            np.testing.assert_allclose(got[f"state_out_{i}"], expected[f"{pid}/state_out_{i}"][step],
-                                       atol=FLOAT_TOLERANCE, rtol=0)
-        state = [got["state_out_0"], got["state_out_1"]]
+def test_model_onnx_reproduces_rllib_on_rawraw_observations(exported, case, pid):
+    errors = onnx_errors(exported(case, pid), case, pid)
+    assert set(errors) >= {"actions_0", "action_dist_inputs"}
+    if "state_in_0" in OnnxPolicy(exported(case, pid)).required:
+        assert set(errors) >= {"state_out_0", "state_out_1"}
+    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors  # discrete actions: 0 is identical
 
 
-BOX_CASES = [(c, p) for c, p in PARAMS if f"{p}/env_actions" in _expected(c)]
+BOX_CASES = [(c, p) for c, p in PARAMS if f"{p}/env_actions" in expected_outputs(c)]
 
 
 @pytest.mark.parametrize("case,pid", BOX_CASES)
 def test_policy_actions_are_rllibs_compute_actions(exported, case, pid):
-    expected = _expected(case)
+    expected = expected_outputs(case)
     policy = OnnxPolicy(exported(case, pid, "policy"))
-    _compare(policy.run(_observations(expected, pid)), expected, pid, "actions")
+    errors = onnx_errors(exported(case, pid, "policy"), case, pid, "policy")
+    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors
     assert policy.manifest["contract"]["actions"] == "policy"
-    if _case(case)["normalize_actions"]:
-        env = OnnxPolicy(exported(case, pid)).run(_observations(expected, pid))["actions_0"]
+    if case_record(case)["normalize_actions"]:
+        env = OnnxPolicy(exported(case, pid)).run(raw_observations(expected, pid))["actions_0"]
         assert not np.allclose(env, expected[f"{pid}/actions"].reshape(env.shape), atol=1e-3), \
             "the environment's action equals the policy's: the case does not test the unsquashing"
 
 
 def test_the_filter_and_its_statistics_are_in_the_contract(exported):
-    case = _case("ppo_filter")
+    case = case_record("ppo_filter")
     manifest = OnnxPolicy(exported("ppo_filter", "default_policy")).manifest
     recorded = manifest["contract"]["observation_filter"]
     rllib = case["filters"]["default_policy"]
@@ -170,13 +90,15 @@ def test_the_filter_and_its_statistics_are_in_the_contract(exported):
     assert "default_policy/fc_2/kernel" in source["weights_used"]
 
 
-def test_no_filter_takes_rllibs_filtered_observations(tmp_path):
-    expected = _expected("ppo_filter")
+def test_no_filter_takes_rllibs_filteredraw_observations(tmp_path):
+    expected = expected_outputs("ppo_filter")
     out = tmp_path / "raw"
     convert_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint", out, use_filter=False, device="cpu", options=FAST)
     policy = OnnxPolicy(out)
     got = policy.run({"observations": expected["default_policy/filtered"]})
-    _compare(got, expected, "default_policy", "actions")
+    np.testing.assert_array_equal(got["actions_0"], expected["default_policy/actions"])
+    np.testing.assert_allclose(got["action_dist_inputs"], expected["default_policy/action_dist_inputs"],
+                               atol=FLOAT_TOLERANCE, rtol=0)
     assert policy.manifest["contract"]["observation_filter"] is None
     assert policy.manifest["source"]["observation_filter_left_out"]["class"] == "MeanStdFilter"
 
