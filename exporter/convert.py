@@ -26,6 +26,7 @@ from policy_export.exporter.watchdog import run_limit
 from policy_export.signatures.keys import EXPLORE
 
 log = logging.getLogger(__name__)
+VISION_ATOL = 1e-4  # the default parity tolerance of a checkpoint policy with RLlib's vision net
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,12 @@ def _convert_checkpoint_policy(checkpoint, policy, out, use_filter: bool, action
     with (opts.progress or SILENT).stage(f"rebuild policy {policy.policy_id}"):
         tf_policy, record = load_checkpoint_policy(policy, use_filter=use_filter, actions=actions,
                                                    device=plan_devices(opts.device).tf_device)
+    if opts.tolerances is None and record["base_network"] == "vision":
+        # RLlib's vision nets take raw pixel values (0-255, unscaled): sums of that size differ
+        # between runtimes' convolution algorithms by more than 1e-5 in absolute terms
+        from policy_export.exporter.parity.compare import Tolerance, Tolerances
+
+        opts = replace(opts, tolerances=Tolerances(Tolerance(atol=VISION_ATOL, rtol=1e-5)))
     described = {"converted_from": str(Path(checkpoint.path).absolute()), "kind": "rllib_checkpoint",
                  "checkpoint_type": checkpoint.type, "checkpoint_format": checkpoint.format,
                  "checkpoint_version": checkpoint.version, "ray_version": checkpoint.ray_version, **record,

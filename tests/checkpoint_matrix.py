@@ -22,7 +22,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = ROOT / "fixtures/rllib/checkpoints"
 CASES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "case.json").is_file())
-FLOAT_TOLERANCE = 1e-5  # RLlib's floats against model.onnx, per output
+# RLlib's floats against model.onnx, per output: |error| <= ATOL + RTOL * |RLlib's value|
+# (np.allclose's criterion: a vision net on raw 0-255 pixels has logits of 10-100)
+ATOL = RTOL = 1e-5
 EXTRAS = ("action_dist_inputs", "vf_preds", "q_values")
 
 
@@ -64,18 +66,32 @@ def actions_key(expected: dict, pid: str, actions: str) -> str:
 
 
 def errors_against_rllib(got: dict, expected: dict, pid: str, key: str, step: int | None = None) -> dict[str, float]:
-    """The largest error per output (discrete actions: 0 when identical, else inf)."""
+    """The largest error per output, in units of the tolerance ``ATOL + RTOL * |value|`` (a value
+    <= 1 passes) under ``"<key> tolerance units"``, and as absolute error under the key itself
+    (discrete actions: 0 when identical, else inf)."""
     def want(name):
         value = expected[f"{pid}/{name}"]
         return value if step is None else value[step]
 
     action = want(key).reshape(got["actions_0"].shape)
-    errors = {"actions_0": (0.0 if np.array_equal(got["actions_0"], action) else float("inf"))
-              if np.issubdtype(action.dtype, np.integer) else float(np.max(np.abs(got["actions_0"] - action)))}
+    if np.issubdtype(action.dtype, np.integer):
+        errors = {"actions_0": 0.0 if np.array_equal(got["actions_0"], action) else float("inf")}
+    else:
+        errors = _float_errors("actions_0", got["actions_0"], action)
     for name in EXTRAS:
         if f"{pid}/{name}" in expected and name in got:
-            errors[name] = float(np.max(np.abs(got[name] - want(name).reshape(got[name].shape))))
+            errors.update(_float_errors(name, got[name], want(name).reshape(got[name].shape)))
     return errors
+
+
+def _float_errors(name: str, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+    err = np.abs(got.astype(np.float64) - want)
+    return {name: float(np.max(err)), f"{name} tolerance units": float(np.max(err / (ATOL + RTOL * np.abs(want))))}
+
+
+def passes(errors: dict[str, float]) -> bool:
+    """Discrete actions identical, every float within its tolerance."""
+    return all(v <= 1.0 for k, v in errors.items() if k.endswith("tolerance units") or k == "actions_0")
 
 
 def stepped_errors(policy: OnnxPolicy, expected: dict, pid: str, key: str) -> dict[str, float]:
@@ -90,7 +106,7 @@ def stepped_errors(policy: OnnxPolicy, expected: dict, pid: str, key: str) -> di
         got = policy.run(feeds)
         found = errors_against_rllib(got, expected, pid, key, step)
         for i in range(2):
-            found[f"state_out_{i}"] = float(np.max(np.abs(got[f"state_out_{i}"] - expected[f"{pid}/state_out_{i}"][step])))
+            found.update(_float_errors(f"state_out_{i}", got[f"state_out_{i}"], expected[f"{pid}/state_out_{i}"][step]))
         worst = {k: max(v, worst.get(k, 0.0)) for k, v in found.items()}
         state = [got["state_out_0"], got["state_out_1"]]
     return worst
@@ -111,11 +127,13 @@ def _row(case: str, pid: str, export: Path, errors: dict[str, float]) -> str:
     filt = source["observation_filter"]
     discrete = np.issubdtype(expected_outputs(case)[f"{pid}/actions"].dtype, np.integer)
     action = ("identical" if errors["actions_0"] == 0 else "differs") if discrete else f"{errors['actions_0']:.1e}"
-    floats = max(v for k, v in errors.items() if k != "actions_0")
+    units = max(v for k, v in errors.items() if k.endswith("units"))
+    floats = max(v for k, v in errors.items() if k != "actions_0" and not k.endswith("units"))
+    assert passes(errors), errors
     meta = case_record(case)["rllib_checkpoint"]
     return (f"| {case} | {pid} | {source['policy_class']} | {meta['type']}, {meta['format']} | "
             f"{filt['class'] + (' clip ' + str(filt['clip']) if filt['clip'] else '') if filt else '-'} | "
-            f"{action} | {floats:.1e} |")
+            f"{action} | {floats:.1e} | {units:.2f} |")
 
 
 def main() -> int:
@@ -124,8 +142,9 @@ def main() -> int:
     from policy_export.exporter.quiet import quiet_libraries
 
     quiet_libraries(False)
-    print("| checkpoint | policy id | policy class | kind | filter | actions (environment's) | largest float error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| checkpoint | policy id | policy class | kind | filter | actions (environment's) | largest float error "
+          "| of the tolerance |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for case in CASES:
             for pid in case_record(case)["policy_ids"]:

@@ -27,7 +27,7 @@ from policy_export.exporter.sources.checkpoint_policy import load_checkpoint_pol
 from test_cli import cli
 
 from tests.checkpoint_matrix import (
-    CASES, CHECKPOINTS, FLOAT_TOLERANCE, OnnxPolicy, case_record, expected_outputs, onnx_errors, raw_observations,
+    ATOL, CASES, CHECKPOINTS, OnnxPolicy, case_record, expected_outputs, onnx_errors, passes, raw_observations,
 )
 
 FAST = ExportOptions(samples=200, explore_samples=1000)
@@ -52,12 +52,12 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case,pid", PARAMS)
-def test_model_onnx_reproduces_rllib_on_rawraw_observations(exported, case, pid):
+def test_model_onnx_reproduces_rllib_on_raw_observations(exported, case, pid):
     errors = onnx_errors(exported(case, pid), case, pid)
     assert set(errors) >= {"actions_0", "action_dist_inputs"}
     if "state_in_0" in OnnxPolicy(exported(case, pid)).required:
         assert set(errors) >= {"state_out_0", "state_out_1"}
-    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors  # discrete actions: 0 is identical
+    assert passes(errors), errors  # discrete actions identical, floats within 1e-5 + 1e-5 * |RLlib's|
 
 
 BOX_CASES = [(c, p) for c, p in PARAMS if f"{p}/env_actions" in expected_outputs(c)]
@@ -68,7 +68,7 @@ def test_policy_actions_are_rllibs_compute_actions(exported, case, pid):
     expected = expected_outputs(case)
     policy = OnnxPolicy(exported(case, pid, "policy"))
     errors = onnx_errors(exported(case, pid, "policy"), case, pid, "policy")
-    assert all(e <= FLOAT_TOLERANCE for e in errors.values()), errors
+    assert passes(errors), errors
     assert policy.manifest["contract"]["actions"] == "policy"
     if case_record(case)["normalize_actions"]:
         env = OnnxPolicy(exported(case, pid)).run(raw_observations(expected, pid))["actions_0"]
@@ -98,7 +98,7 @@ def test_no_filter_takes_rllibs_filteredraw_observations(tmp_path):
     got = policy.run({"observations": expected["default_policy/filtered"]})
     np.testing.assert_array_equal(got["actions_0"], expected["default_policy/actions"])
     np.testing.assert_allclose(got["action_dist_inputs"], expected["default_policy/action_dist_inputs"],
-                               atol=FLOAT_TOLERANCE, rtol=0)
+                               atol=ATOL, rtol=0)
     assert policy.manifest["contract"]["observation_filter"] is None
     assert policy.manifest["source"]["observation_filter_left_out"]["class"] == "MeanStdFilter"
 
@@ -138,8 +138,8 @@ def test_weights_that_do_not_fit_the_config_are_named():
 @pytest.mark.parametrize("change,message", [
     (lambda p: p.config["model"].update(custom_model="MyNet"), "custom model 'MyNet'.*from_rllib"),
     (lambda p: setattr(p, "policy_class", "MyTFPolicy"), "MyTFPolicy is not one the package rebuilds"),
-    (lambda p: setattr(p, "observation_space", __import__("gymnasium").spaces.Box(0, 1, (84, 84, 3))),
-     "VisionNetwork"),
+    (lambda p: setattr(p, "observation_space", __import__("gymnasium").spaces.Box(0, 1, (4, 4))),
+     "ComplexInputNetwork"),
     (lambda p: p.config["model"].update(use_attention=True), "attention"),
 ])
 def test_what_is_not_rebuilt_is_named(change, message):

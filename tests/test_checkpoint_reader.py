@@ -46,7 +46,7 @@ def test_reads_what_rllib_wrote(name):
     assert sorted(read.policies) == case["policy_ids"]
     for pid, policy in read.policies.items():
         obs = _raw_observations(expected, pid, policy)
-        assert policy.observation_space.shape == obs.shape[-1:]
+        assert policy.observation_space.shape == obs.shape[-len(policy.observation_space.shape):]
         assert policy.weights and all(w.dtype == np.float32 for w in policy.weights.values())
         want = case["filters"][pid]
         if want is None:

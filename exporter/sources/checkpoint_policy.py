@@ -10,7 +10,7 @@ weights alone:
 2. **the observation filter** (``MeanStdFilter``/``ConcurrentMeanStdFilter``) with the
    checkpoint's running statistics: ``(x - mean) / (std + 1e-6)`` in float32, then its clip
    (``use_filter=False`` leaves it out, for a caller who applies it);
-3. **the network** (:mod:`exporter.sources.rllib_nets`): RLlib's fully connected net, its LSTM
+3. **the network** (:mod:`exporter.sources.rllib_nets`): RLlib's fully connected or vision net, its LSTM
    wrapper (one step, the state ``state_in_0``/``state_in_1`` = ``h``/``c`` carried by the
    caller), DQN's Q head, SAC's and CQL's actor net;
 4. **the action head** with RLlib's meanings: with ``explore`` false the distribution's
@@ -41,7 +41,7 @@ import tensorflow as tf
 from policy_export.errors import ExportError
 from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterState
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
-from policy_export.exporter.sources.rllib_nets import NetWeights, fcnet, lstm_step, q_values
+from policy_export.exporter.sources.rllib_nets import NetWeights, fcnet, lstm_step, q_values, visionnet
 from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
 from policy_export.policy.tf_policy import TFPolicy, session_config
@@ -64,7 +64,7 @@ SOFT_ACTOR = ("SACTFPolicy", "SACTF1Policy", "SACTF2Policy", "CQLTFPolicy", "CQL
 MODEL_DEFAULTS = {"fcnet_hiddens": [256, 256], "fcnet_activation": "tanh", "post_fcnet_hiddens": [],
                   "post_fcnet_activation": "relu", "free_log_std": False, "no_final_linear": False,
                   "vf_share_layers": True, "use_lstm": False, "lstm_cell_size": 256, "lstm_use_prev_action": False,
-                  "lstm_use_prev_reward": False, "max_seq_len": 20}
+                  "lstm_use_prev_reward": False, "max_seq_len": 20, "conv_filters": None, "conv_activation": "relu"}
 FROM_RLLIB = ("load the checkpoint with RLlib (the ray version that wrote it) in your own process and pass the "
               "policy to policy_export.from_rllib")
 
@@ -124,7 +124,7 @@ def network_kind(policy: CheckpointPolicy) -> str:
     for key in ("use_attention",):
         if model.get(key):
             raise ExportError(f"{where}: model {key} (the attention net) is not rebuilt from checkpoints; {FROM_RLLIB}")
-    _check_fully_connected(policy, where)
+    base_network(policy)
     name = policy.policy_class.rsplit(".", 1)[-1]
     for kind, classes in (("actor_critic", ACTOR_CRITIC), ("q_learning", Q_LEARNING), ("soft_actor", SOFT_ACTOR)):
         if name in classes:
@@ -136,20 +136,35 @@ def network_kind(policy: CheckpointPolicy) -> str:
                       f"family); {FROM_RLLIB}")
 
 
-def _check_fully_connected(policy: CheckpointPolicy, where: str) -> None:
-    """RLlib picks its fully connected net for a 1-D Box input whose original space has no image."""
+def base_network(policy: CheckpointPolicy) -> str:
+    """``fcnet`` or ``vision``: the net RLlib's catalog picks for the policy's observations
+    (``_get_v2_model_class``): the vision net for a 3-D Box, the fully connected net for a 1-D Box
+    whose original space holds no image.
+
+    Raises:
+        ExportError: the complex-input net (a Dict or Tuple with images, a 2-D Box), or
+            observations RLlib's preprocessor changed in shape (Atari frames), neither rebuilt.
+    """
+    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
     space, original = policy.observation_space, policy.original_observation_space
+    if isinstance(space, gym.spaces.Box) and len(space.shape) == 3:
+        if original is not None and getattr(original, "shape", None) != space.shape:
+            raise ExportError(f"{where}: RLlib's preprocessor turned {original} into {space} (an Atari frame "
+                              f"preprocessor), which is not rebuilt from checkpoints; {FROM_RLLIB}")
+        return "vision"
     images = [leaf for leaf in leaves(original or space)
               if isinstance(leaf.space, gym.spaces.Box) and len(leaf.space.shape) >= 2]
     if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or images:
-        net = "VisionNetwork" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "ComplexInputNetwork"
-        raise ExportError(f"{where}: observations {original or space} make RLlib build its {net}, which is not "
-                          f"rebuilt from checkpoints yet; {FROM_RLLIB}")
+        raise ExportError(f"{where}: observations {original or space} make RLlib build its ComplexInputNetwork, "
+                          f"which is not rebuilt from checkpoints yet; {FROM_RLLIB}")
+    return "fcnet"
 
 
 def observation_space(policy: CheckpointPolicy) -> tuple[gym.Space, bool]:
     """The space the export takes (the environment's) and whether the graph flattens it."""
     original = policy.original_observation_space
+    if base_network(policy) == "vision":
+        return policy.observation_space, False  # images stay [B, H, W, C], cast to float32 (no scaling)
     if original is None:
         return policy.observation_space, not _is_float_box(policy.observation_space)
     width = preprocessor_width(original)
@@ -177,10 +192,9 @@ def filtered(x: tf.Tensor, state: FilterState | None) -> tf.Tensor:
     """RLlib's ``MeanStdFilter`` (not updated) on the flat observations ``x``, in float32."""
     if state is None:
         return x
-    width = int(x.shape[-1])
-    if state.mean.shape != (width,):
+    if tuple(state.mean.shape) != tuple(x.shape.as_list()[1:]):
         raise ExportError(f"the observation filter's statistics have shape {list(state.mean.shape)}, the "
-                          f"preprocessed observations {width} values")
+                          f"preprocessed observations {x.shape.as_list()[1:]}")
     with tf1.name_scope("observation_filter"):
         if state.demean:
             x = x - tf.constant(state.mean.astype(np.float32), name="mean")
@@ -191,12 +205,19 @@ def filtered(x: tf.Tensor, state: FilterState | None) -> tf.Tensor:
     return x
 
 
+def _base(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any], num_outputs: int | None,
+          with_value: bool = True):
+    """RLlib's catalog net for the observations: ``(model output, value or None)``."""
+    build = visionnet if base_network(policy) == "vision" else fcnet
+    return build(x, w, model, num_outputs, with_value=with_value)
+
+
 def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any]) -> _Net:
     num_outputs = ActionDistribution.required_inputs(policy.action_space)
     if not model.get("use_lstm"):
-        out, value = fcnet(x, w, model, num_outputs)
+        out, value = _base(policy, x, w, model, num_outputs)
         return _Net(out, {"vf_preds": tf.reshape(value, [-1])})
-    features, _ = fcnet(x, w, model, None, with_value=False)
+    features, _ = _base(policy, x, w, model, None, with_value=False)
     cell = int(model["lstm_cell_size"])
     net = _Net(features, {})
     net.state_in = [tf1.placeholder(tf.float32, (None, cell), name=state_in_key(i)) for i in range(2)]
@@ -239,7 +260,7 @@ def _q_learning(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: di
         num_outputs = ([256] + list(model.get("fcnet_hiddens") or []))[-1]
     else:
         base, num_outputs = model, n
-    out, _ = fcnet(x, w, base, int(num_outputs), with_value=False)
+    out, _ = _base(policy, x, w, base, int(num_outputs), with_value=False)
     q = q_values(out, w, config, n)
     return _Net(q, {"q_values": q})
 
@@ -249,7 +270,7 @@ def _soft_actor(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights) -> _Net:
     if actor.get("custom_model"):
         raise ExportError(f"SAC's policy_model_config names the custom model {actor['custom_model']!r}; {FROM_RLLIB}")
     num_outputs = ActionDistribution.required_inputs(policy.action_space)
-    out, _ = fcnet(x, w, actor, num_outputs, with_value=False)
+    out, _ = _base(policy, x, w, actor, num_outputs, with_value=False)
     return _Net(out, {})
 
 
@@ -396,6 +417,7 @@ def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights:
     filt = filter_record(policy.filter)
     return {
         "policy_id": policy.policy_id, "policy_class": policy.policy_class, "network": kind,
+        "base_network": base_network(policy),
         "model": {k: model.get(k) for k in MODEL_DEFAULTS},
         "weights_used": sorted(used), "weights_not_in_the_served_graph": unused,
         "observation_space": space_to_json(observation_space(policy)[0]),

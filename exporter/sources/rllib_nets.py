@@ -10,11 +10,13 @@ built from it:
   ``fcnet_activation``, ``no_final_linear``, ``vf_share_layers``, ``free_log_std``);
 - :func:`lstm_step`: ``LSTMWrapper``'s Keras LSTM cell, one step (gates ``i, f, c, o``), then
   its ``logits`` and ``values`` layers;
+- :func:`visionnet`: ``VisionNetwork`` (``conv_filters`` or RLlib's default for the image size,
+  ``conv_activation``, ``post_fcnet_hiddens``, ``no_final_linear``, ``vf_share_layers``);
 - :func:`q_values`: DQN's ``DistributionalQTFModel`` head (``hiddens``, ``dueling``,
   ``num_atoms`` with ``v_min``/``v_max``), and the mean over non-masked actions RLlib centres the
   advantages with.
 
-What is not rebuilt (a vision network, noisy or layer-normalised Q heads, a custom model) is
+What is not rebuilt (the complex-input network, noisy or layer-normalised Q heads, a custom model) is
 refused by the caller (:mod:`exporter.sources.checkpoint_policy`) before any of this runs.
 """
 
@@ -80,7 +82,9 @@ class NetWeights:
         kernel = self.take(f"{layer}/kernel", (width, units))
         bias = self.take(f"{layer}/bias", (units,))
         with tf.compat.v1.name_scope(layer):
-            y = tf.matmul(x, tf.constant(kernel, name="kernel")) + tf.constant(bias, name="bias")
+            k = tf.constant(kernel, name="kernel")
+            # Keras's Dense on [B, 1, 1, C] (RLlib's vision net) works on the last axis
+            y = (tf.matmul(x, k) if x.shape.rank == 2 else tf.tensordot(x, k, axes=1)) + tf.constant(bias, name="bias")
             return activation(y) if activation is not None else y
 
     def auto_dense(self) -> list[str]:
@@ -213,3 +217,95 @@ def _distributional(scores: tf.Tensor, state_score: tf.Tensor | None, n: int, at
         centred = logits - tf.expand_dims(tf.reduce_mean(logits, 1), 1)
         logits = tf.expand_dims(state_score, 1) + centred
     return tf.reduce_sum(tf.constant(z) * tf.nn.softmax(logits), axis=-1)
+
+
+# RLlib's get_filter_config: the default conv_filters by image size (height, width)
+DEFAULT_CONV_FILTERS = {
+    (480, 640): [[16, [24, 32], [14, 18]], [32, [6, 6], 4], [256, [9, 9], 1]],
+    (240, 320): [[16, [12, 16], [7, 9]], [32, [6, 6], 4], [256, [9, 9], 1]],
+    (96, 96): [[16, [8, 8], 4], [32, [4, 4], 2], [256, [11, 11], 2]],
+    (84, 84): [[16, [8, 8], 4], [32, [4, 4], 2], [256, [11, 11], 1]],
+    (64, 64): [[32, [4, 4], 2], [64, [4, 4], 2], [128, [4, 4], 2], [256, [4, 4], 2]],
+    (42, 42): [[16, [4, 4], 2], [32, [4, 4], 2], [256, [11, 11], 1]],
+    (10, 10): [[16, [5, 5], 2], [32, [5, 5], 2]],
+}
+
+
+def conv_filters(model: Mapping[str, Any], shape: Sequence[int]) -> list:
+    """The model's ``conv_filters``, else RLlib's default for the image size.
+
+    Raises:
+        ExportError: no filters given and no default for this size (as RLlib itself refuses).
+    """
+    filters = model.get("conv_filters")
+    if filters:
+        return [list(f) for f in filters]
+    default = DEFAULT_CONV_FILTERS.get(tuple(int(d) for d in shape[:2]))
+    if default is None:
+        raise ExportError(f"observations of shape {list(shape)} have no default conv_filters in RLlib, and the "
+                          f"config gives none")
+    return default
+
+
+def _pair(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value), int(value)]
+
+
+def conv(x: tf.Tensor, w: NetWeights, layer: str, spec: Sequence[Any], padding: str, activation: Any) -> tf.Tensor:
+    """Keras ``Conv2D`` (channels last) with the weights of ``layer``; ``spec`` = (filters, kernel, stride)."""
+    filters, kernel, stride = int(spec[0]), _pair(spec[1]), _pair(spec[2])
+    k = w.take(f"{layer}/kernel", (*kernel, int(x.shape[-1]), filters))
+    b = w.take(f"{layer}/bias", (filters,))
+    with tf.compat.v1.name_scope(layer):
+        y = tf.nn.conv2d(x, tf.constant(k), strides=[1, *stride, 1], padding=padding.upper()) + tf.constant(b)
+        return activation(y) if activation is not None else y
+
+
+def visionnet(x: tf.Tensor, w: NetWeights, model: Mapping[str, Any], num_outputs: int | None,
+              with_value: bool = True) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """RLlib's ``VisionNetwork`` on the float image batch ``x`` [B, H, W, C]: ``(model output, value)``."""
+    filters = conv_filters(model, x.shape.as_list()[1:])
+    act = activation_fn(model.get("conv_activation", "relu"), "model.conv_activation")
+    post = [int(h) for h in model.get("post_fcnet_hiddens") or []]
+    post_act = activation_fn(model.get("post_fcnet_activation", "relu"), "model.post_fcnet_activation")
+    last = x
+    for i, spec in enumerate(filters[:-1], 1):
+        last = conv(last, w, f"conv{i}", spec, "same", act)
+    flattened = False
+    if model.get("no_final_linear") and num_outputs:
+        last = conv(last, w, "conv_out", [post[0] if post else num_outputs, *filters[-1][1:]], "valid", act)
+        feature = last
+        for i, size in enumerate(post[:-1] + ([num_outputs] if post else [])):
+            feature, last = last, w.dense(last, f"post_fcnet_{i}", size, post_act)
+    else:
+        last = conv(last, w, f"conv{len(filters)}", filters[-1], "valid", act)
+        if num_outputs:
+            if post:
+                last = conv(last, w, "conv_out", [post[0], 1, 1], "same", post_act)
+                sizes = post[1:] + [num_outputs]
+                for i, size in enumerate(sizes):
+                    feature, last = last, w.dense(last, f"post_fcnet_{i + 1}", size,
+                                                  post_act if i < len(sizes) - 1 else None)
+            else:
+                feature, last = last, conv(last, w, "conv_out", [num_outputs, 1, 1], "same", None)
+            if last.shape[1] != 1 or last.shape[2] != 1:
+                raise ExportError(f"conv_filters {filters} do not end in a [B, 1, 1, n] output (RLlib refuses them "
+                                  f"too): {last.shape.as_list()}")
+        else:
+            flattened = True
+            last = tf.reshape(last, (-1, int(np.prod(last.shape.as_list()[1:]))))
+            for i, size in enumerate(post):
+                last = w.dense(last, f"post_fcnet_{i}", size, post_act)
+            feature = last
+    out = last if flattened else tf.squeeze(last, axis=[1, 2])
+    if not with_value:
+        return out, None
+    if model.get("vf_share_layers"):
+        feature = feature if flattened else tf.squeeze(feature, axis=[1, 2])
+        return out, w.dense(feature, "value_out", 1)
+    value = x
+    for i, spec in enumerate(filters[:-1], 1):
+        value = conv(value, w, f"conv_value_{i}", spec, "same", act)
+    value = conv(value, w, f"conv_value_{len(filters)}", filters[-1], "valid", act)
+    value = conv(value, w, "conv_value_out", [1, 1, 1], "same", None)
+    return out, tf.squeeze(value, axis=[1, 2])
