@@ -178,6 +178,10 @@ def _convert_parser(sub, common) -> None:
                          ".json file); parity samples from it (default: inferred from the tensors)")
     co.add_argument("--action-space", default=None, metavar="JSON|FILE",
                     help="the action space the graph computes, same format (default: inferred from the tensors)")
+    co.add_argument("--weights", default=None, metavar="TF1_CHECKPOINT",
+                    help="TF1 policy SavedModels: take the variables' values from this tf.compat.v1.train.Saver "
+                         "checkpoint instead (RLlib <= 2.0's export_checkpoint: its directory, prefix or .index), "
+                         "by variable name, every one checked before any is assigned")
     co.add_argument("--dist-inputs", default=None, metavar="KEY",
                     help="Keras base models: the output holding the action distribution inputs "
                          "(default: the one output of the width the action space needs)")

@@ -319,7 +319,7 @@ def cmd_convert(args, console) -> int:
 
     result = convert_saved_model(args.saved_model, args.out, device=_device_plan(args), options=opts,
                                  signature_key=args.signature, tag=args.tag, state_pairs=pairs or None,
-                                 dist_inputs=args.dist_inputs, **spaces)
+                                 dist_inputs=args.dist_inputs, weights=args.weights, **spaces)
     args.progress.close()
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
@@ -337,6 +337,7 @@ def _convert_checkpoint(args, console, opts) -> int:
 
     savedmodel_only = [flag for flag, given in (
         ("--signature", args.signature), ("--tag", args.tag), ("--state", args.state), ("--dist-inputs", args.dist_inputs),
+        ("--weights", args.weights),
         ("--observation-space", args.observation_space), ("--action-space", args.action_space)) if given]
     if savedmodel_only:
         raise InputError(f"{', '.join(savedmodel_only)} apply to SavedModels only; {args.saved_model} is an RLlib "

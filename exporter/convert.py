@@ -36,7 +36,9 @@ class SourceOptions:
     ``observation_space``/``action_space`` are the spaces the graph sees (default: inferred for a
     TF1 policy graph; ``action_space`` is required for a Keras base model, whose action head is not
     stored); ``state_pairs`` pairs recurrent state inputs with outputs by raw tensor name;
-    ``dist_inputs`` names a Keras base model's output that holds the action distribution's inputs.
+    ``dist_inputs`` names a Keras base model's output that holds the action distribution's inputs;
+    ``weights`` is a TF1 ``Saver`` checkpoint (RLlib <= 2.0's ``export_checkpoint``) whose values
+    replace a TF1 policy graph's, by variable name.
     """
 
     signature_key: str = "serving_default"
@@ -45,6 +47,7 @@ class SourceOptions:
     observation_space: gym.Space | None = None
     action_space: gym.Space | None = None
     dist_inputs: str | None = None
+    weights: str | Path | None = None
 
     @classmethod
     def split(cls, options: dict[str, Any]) -> tuple["SourceOptions", dict[str, Any]]:
@@ -78,6 +81,9 @@ def convert_saved_model(path: str | Path, out: str | Path, *, device: str = "aut
     with run_limit(opts.run_timeout):  # loading runs the file's graph too
         proto = read_saved_model(path) if (Path(path) / "saved_model.pb").is_file() else None  # read once
         if is_keras_base_model(path, source.signature_key, source.tag, proto=proto):
+            if source.weights is not None:
+                raise InputError("--weights applies to TF1 policy SavedModels (RLlib <= 2.0's export_model); this "
+                                 "is a Keras base model")
             return _convert_keras(path, out, source, proto, opts)
         if source.dist_inputs is not None:
             raise InputError("--dist-inputs applies to Keras base models only; this SavedModel has 'actions' outputs")
@@ -104,12 +110,13 @@ def _split(options: dict[str, Any], device: str) -> tuple[SourceOptions, ExportO
 
 
 def _convert_legacy(path, out, source: SourceOptions, proto, opts: ExportOptions):
-    from policy_export.exporter.sources.legacy import load_saved_model_policy
+    from policy_export.exporter.sources.legacy import SavedModelFiles, load_saved_model_policy
 
     check_target(Path(out).absolute(), opts.overwrite)
     with (opts.progress or SILENT).stage("load SavedModel"):
         policy, record = load_saved_model_policy(path, source.signature_key, source.tag, opts.device, source.state_pairs,
-                                                 source.observation_space, source.action_space, proto=proto)
+                                                 source.observation_space, source.action_space,
+                                                 files=SavedModelFiles(proto=proto, weights=source.weights))
     if EXPLORE in record and "refused" in record[EXPLORE]:
         log.warning("explore refused: %s", record[EXPLORE]["refused"])
     elif EXPLORE in record:

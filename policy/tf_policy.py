@@ -361,6 +361,27 @@ class TFPolicy:
         weights = h5io.read_h5_weights(path, expected_shapes=shapes)
         self._assign(self._check_weights(weights, str(path), allow_non_finite))
 
+    def import_model_from_tf1_checkpoint(self, path: str | Path, allow_non_finite: bool = False) -> None:
+        """Load weights from a ``tf.compat.v1.train.Saver`` checkpoint (its prefix, ``.index`` or
+        directory), matched by TF variable name, read without TensorFlow's checkpoint reader.
+
+        Checked like :meth:`import_model_from_h5`: every weight present, of its shape, finite;
+        on any error the policy's weights are exactly as before. Checkpoint entries the policy does
+        not hold (optimizer slots, counters) are left alone.
+
+        Raises:
+            WeightsError: every weight that is missing or misshapen.
+            UnsafeCheckpointError: files the reader refuses (see :mod:`policy.bundleio`).
+        """
+        from policy_export.policy.bundleio import bundle_entries, checkpoint_prefix, read_bundle
+
+        prefix = checkpoint_prefix(path)
+        _, entries = bundle_entries(prefix)
+        by_name = {var.op.name: key for key, var in self._variables}
+        present = [name for name in by_name if name in entries and entries[name].dtype is not None]
+        weights = {by_name[name]: value for name, value in read_bundle(prefix, present).items()}
+        self._assign(self._check_weights(weights, str(prefix), allow_non_finite))
+
     def export_weights_h5(self, path: str | Path) -> Path:
         """Write the base model's weights to ``path`` in Keras's h5 weights layout."""
         return h5io.write_h5_weights(path, self.get_weights())

@@ -40,7 +40,8 @@ import tensorflow as tf
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.sources.lstm_step import RecurrentServing, rewrite_serving
 from policy_export.exporter.watchdog import stoppable_session
-from policy_export.errors import ExportError, InputError
+from policy_export.errors import ExportError, InputError, WeightsError
+from policy_export.policy.bundleio import checkpoint_prefix
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.builder import find_signature
@@ -200,41 +201,81 @@ def _set_bool_default(graph_def: tf1.GraphDef, name: str, value: bool) -> bool |
     return original
 
 
-def _restore_variables(session: tf1.Session, graph: tf.Graph, path: Path) -> int:
-    """Assign every global variable its value from ``path/variables/variables``; return the count.
+def _restore_variables(session: tf1.Session, graph: tf.Graph, path: Path, weights: Path | None = None) -> dict:
+    """Assign every global variable its value from ``path/variables/variables``, or, with
+    ``weights`` (a TF1 ``Saver`` checkpoint prefix), from that checkpoint by variable name.
 
-    Values are fed into the variables' initializers, so no save/restore ops are added.
+    Both are read by :mod:`policy.bundleio` (never by TensorFlow's reader). With
+    ``weights`` every variable the serving graph holds must be in the checkpoint with the same
+    shape and dtype, or nothing is assigned. Values are fed into the variables' initializers, so no
+    save/restore ops are added. Returns the record for the manifest.
+
+    Raises:
+        UnsafeCheckpointError: a variables file or checkpoint that is not read (see :mod:`policy.bundleio`).
+        WeightsError: every variable missing from ``weights`` or of another shape or dtype.
     """
+    from policy_export.policy.bundleio import read_bundle
+
     with graph.as_default():
         variables = tf1.global_variables() + tf1.local_variables()
     if not variables:
-        return 0
-    from policy_export.exporter.formats.tf_runner import glob_free_path
+        return {"variables": 0}
+    names = [v.op.name for v in variables]
+    values = read_bundle(path / "variables" / "variables", names)
+    record: dict = {"variables": len(variables)}
+    if weights is not None:
+        values = _checkpoint_values(weights, values)
+        record.update(weights=str(weights), variables_from_weights=len(values))
+    session.run([v.initializer for v in variables],
+                {v.initializer.inputs[1]: values[v.op.name] for v in variables})
+    return record
 
-    try:
-        with glob_free_path(path) as alias:  # TF looks checkpoints up by glob pattern
-            reader = tf.train.load_checkpoint(str(alias / "variables" / "variables"))
-            feeds = {v.initializer.inputs[1]: reader.get_tensor(v.op.name) for v in variables}
-    except (tf.errors.OpError, ValueError) as e:
-        raise ExportError(f"cannot read the variables of {path}: {e}") from e
-    session.run([v.initializer for v in variables], feeds)
-    return len(variables)
+
+def _checkpoint_values(weights: Path, current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The values of ``current``'s variables from the TF1 checkpoint ``weights``, every one checked."""
+    from policy_export.policy.bundleio import bundle_entries, read_bundle
+
+    _, entries = bundle_entries(weights)
+    problems = []
+    for name, value in current.items():
+        entry = entries.get(name)
+        if entry is None:
+            problems.append(f"no variable {name!r} {list(value.shape)}")
+        elif entry.dtype is None or tuple(entry.shape) != value.shape or entry.dtype != value.dtype:
+            problems.append(f"variable {name!r} is {entry.dtype} {list(entry.shape)}, the SavedModel's "
+                            f"{value.dtype} {list(value.shape)}")
+    if problems:
+        raise WeightsError(str(weights), problems)
+    return read_bundle(weights, list(current))
 
 
 # ---------------------------------------------------------------------------- the policy
 
 
+@dataclass(frozen=True)
+class SavedModelFiles:
+    """What :func:`load_saved_model_policy` reads besides the SavedModel's own files: ``proto``,
+    the SavedModel already read with :func:`exporter.trust.read_saved_model`; ``weights``, a TF1
+    ``Saver`` checkpoint (RLlib <= 2.0's ``export_checkpoint``: its prefix, its ``.index`` or its
+    directory) whose values replace the SavedModel's variables by name, all checked before any is
+    assigned."""
+
+    proto: Any = None
+    weights: str | Path | None = None
+
+
 def load_saved_model_policy(path: str | Path, signature_key: str = "serving_default", tag: str = "serve",
                             device: str = "auto", state_pairs: list[tuple[str, str]] | None = None,
                             observation_space: gym.Space | None = None, action_space: gym.Space | None = None,
-                            *, proto: Any = None) -> tuple[TFPolicy, dict[str, Any]]:
+                            *, files: "SavedModelFiles | None" = None) -> tuple[TFPolicy, dict[str, Any]]:
     """Load the serving subgraph of a TF1 SavedModel signature as a :class:`TFPolicy`.
 
     ``state_pairs`` gives the state keys as ``(input key, output key)`` pairs in order; without it,
     state inputs and outputs are paired in natural order of their names (right for RLlib's
     ``state_in_0``/``state_in_1`` with ``Exit_3``/``Exit_4`` or ``Identity_5``/``Identity_6``).
     ``observation_space``/``action_space`` replace the inferred spaces (checked against the tensors).
-    ``proto`` is the SavedModel already read with :func:`exporter.trust.read_saved_model`.
+    ``files``: the SavedModel already read, and a TF1 checkpoint for its variables
+    (:class:`SavedModelFiles`).
 
     Only the pruned serving subgraph (:func:`prune_meta_graph`) is checked
     (:func:`exporter.trust.check_meta_graph`) and handed to TensorFlow; the rest of the file (a
@@ -253,36 +294,40 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
     from policy_export.exporter.trust import check_meta_graph, saved_model_budget
 
     path = Path(path)
-    pruned = prune_meta_graph(read_meta_graph(path, tag, proto), signature_key)
+    files = files or SavedModelFiles()
+    pruned = prune_meta_graph(read_meta_graph(path, tag, files.proto), signature_key)
     check_meta_graph(pruned.meta_graph, str(path), budget=saved_model_budget(path))  # before any op can run
     plan = plan_devices(device)
     graph = tf.Graph()
     # the graph is the file's: every run of it keeps the run limit and stops on signals
     session = stoppable_session(graph, session_config(plan.tf_device), f"SavedModel {path}")
     try:
-        inputs, outputs = _import_signature(path, pruned, signature_key, session)
+        prefix = None if files.weights is None else checkpoint_prefix(files.weights)
+        inputs, outputs, restored = _import_signature(path, pruned, signature_key, session, prefix)
         policy, mapping = _build_policy(path, graph, session, inputs, outputs, state_pairs,
                                         observation_space, action_space)
-    except (ExportError, InputError):
+    except (ExportError, InputError, WeightsError):
         session.close()
         raise
     except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
         session.close()
         raise ExportError(f"cannot load SavedModel {path} with tag {tag!r}: {e}") from e
     source = _source_record(pruned, policy, mapping, observation_space is not None, action_space is not None)
+    source["variables"] = restored
     return policy, source
 
 
-def _import_signature(path: Path, pruned: "PrunedGraph", signature_key: str, session):
-    """Import the pruned meta graph into ``session``'s graph, restore its variables, and return
-    the signature's input and output tensors (the hidden exploration switch as ``explore``)."""
+def _import_signature(path: Path, pruned: "PrunedGraph", signature_key: str, session, weights: Path | None = None):
+    """Import the pruned meta graph into ``session``'s graph, restore its variables (from
+    ``weights`` when given), and return the signature's input and output tensors (the hidden
+    exploration switch as ``explore``) and the variables' record."""
     from tensorflow.python.framework import meta_graph as meta_graph_lib
 
     graph = session.graph
     with graph.as_default():
         # what tf1.train.import_meta_graph does, without adding a Saver nobody runs
         meta_graph_lib.import_scoped_meta_graph(pruned.meta_graph, clear_devices=True)
-    _restore_variables(session, graph, path)
+    restored = _restore_variables(session, graph, path, weights)
     sig = find_signature(pruned.meta_graph, signature_key)
     inputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.inputs.items()}
     outputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.outputs.items()}
@@ -290,7 +335,7 @@ def _import_signature(path: Path, pruned: "PrunedGraph", signature_key: str, ses
         if EXPLORE in inputs:
             raise ExportError(f"the signature has an 'explore' input and a hidden switch {pruned.explore_switch!r}")
         inputs[EXPLORE] = graph.get_tensor_by_name(f"{pruned.explore_switch}:0")
-    return inputs, outputs
+    return inputs, outputs, restored
 
 
 def _source_record(pruned: "PrunedGraph", policy, mapping: dict[str, str], obs_given: bool,

@@ -1,0 +1,189 @@
+"""TF1 ``Saver`` checkpoints and SavedModel variables read by :mod:`policy.bundleio`, without
+TensorFlow's reader: against that reader on real files, against RLlib 2.0.1's own outputs for
+``convert --weights`` (``fixtures/rllib/saver/``, ``fixtures/rllib/make_saver.py``), and on
+hostile files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from policy_export import TFPolicy, load_spec
+from policy_export.errors import UnsafeCheckpointError, WeightsError
+from policy_export.exporter.convert import convert_saved_model
+from policy_export.exporter.options import ExportOptions
+from policy_export.policy.bundleio import bundle_entries, checkpoint_prefix, read_bundle
+from test_cli import cli
+from tests.checkpoint_matrix import OnnxPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+SAVER = ROOT / "fixtures/rllib/saver"
+BUNDLES = sorted([*SAVER.glob("*/tf1_checkpoint/model.index"),
+                  *(ROOT / "fixtures/rllib").glob("*/*/saved_model/variables/variables.index")])
+FAST = ExportOptions(samples=200, explore_samples=1000)
+
+
+@pytest.mark.parametrize("index", BUNDLES, ids=lambda p: str(p.relative_to(ROOT / "fixtures/rllib")))
+def test_the_reader_agrees_with_tensorflows_on_every_real_checkpoint(index):
+    prefix = checkpoint_prefix(index)
+    mine = read_bundle(prefix)
+    theirs = tf.train.load_checkpoint(str(prefix))
+    assert set(mine) == set(theirs.get_variable_to_shape_map())
+    for name, value in mine.items():
+        np.testing.assert_array_equal(value, theirs.get_tensor(name), err_msg=name)
+
+
+def test_a_directory_its_prefix_and_its_index_name_the_same_checkpoint():
+    directory = SAVER / "cartpole_ff/tf1_checkpoint"
+    assert checkpoint_prefix(directory) == checkpoint_prefix(directory / "model.index") == directory / "model"
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in SAVER.iterdir() if p.is_dir()))
+def test_convert_weights_serves_what_the_checkpoint_holds(tmp_path, case):
+    expected = np.load(SAVER / case / "expected.npz")
+    obs = expected["observations"]
+    runs = {}
+    for label, weights in (("before", None), ("after", SAVER / case / "tf1_checkpoint")):
+        out = tmp_path / label
+        convert_saved_model(SAVER / case / "saved_model", out, weights=weights, device="cpu", options=FAST)
+        got = OnnxPolicy(out).run({"observations": obs})
+        for name in ("action_dist_inputs", "vf_preds"):
+            np.testing.assert_allclose(got[name], expected[f"{label}/{name}"], atol=1e-5, rtol=1e-5)
+        if np.issubdtype(expected[f"{label}/actions"].dtype, np.integer):
+            np.testing.assert_array_equal(got["actions_0"], expected[f"{label}/actions"])
+        runs[label] = got["action_dist_inputs"]
+        record = json.loads((out / "manifest.json").read_text())["source"]["variables"]
+        assert record.get("variables_from_weights", 0) == (0 if weights is None else record["variables"])
+    assert np.abs(runs["before"] - runs["after"]).max() > 1e-3  # training moved the weights
+
+
+def test_weights_of_another_policy_are_refused_with_each_variable_named(tmp_path):
+    out = tmp_path / "out"
+    run = cli("convert", str(SAVER / "cartpole_ff/saved_model"), "--out", str(out),
+              "--weights", str(SAVER / "pendulum_box/tf1_checkpoint"))
+    assert run.returncode == 2, run.stderr
+    assert "'default_policy/fc_1/kernel' is float32 [3, 16], the SavedModel's float32 [4, 16]" in run.stderr
+    assert not out.exists()
+
+
+def test_spec_policy_imports_a_saver_checkpoint(tmp_path):
+    spec = load_spec(ROOT / "fixtures/cartpole_mlp")
+    trained = TFPolicy.from_spec(spec)
+    with trained.graph.as_default():
+        tf.compat.v1.train.Saver().save(trained.session, str(tmp_path / "model"))
+    fresh = TFPolicy.from_spec(dataclasses.replace(spec, weights=None, seed=99))
+    obs = np.random.default_rng(0).uniform(-1, 1, (8, 4)).astype(np.float32)
+    before = fresh.compute_actions(obs).fetches["action_dist_inputs"]
+    fresh.import_model_from_tf1_checkpoint(tmp_path)
+    want = trained.compute_actions(obs).fetches["action_dist_inputs"]
+    assert np.abs(before - want).max() > 1e-3
+    np.testing.assert_array_equal(fresh.compute_actions(obs).fetches["action_dist_inputs"], want)
+
+
+def test_a_checkpoint_that_misses_weights_changes_nothing(tmp_path):
+    spec = load_spec(ROOT / "fixtures/cartpole_mlp")
+    policy = TFPolicy.from_spec(spec)
+    obs = np.zeros((2, 4), np.float32)
+    before = policy.compute_actions(obs).fetches["action_dist_inputs"]
+    with pytest.raises(WeightsError, match="missing weight"):
+        policy.import_model_from_tf1_checkpoint(SAVER / "cartpole_ff/tf1_checkpoint")  # RLlib's names, not ours
+    np.testing.assert_array_equal(policy.compute_actions(obs).fetches["action_dist_inputs"], before)
+
+
+# ---------------------------------------------------------------------------------------- hostile
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes | int) -> bytes:
+    if isinstance(payload, int):
+        return _varint(number << 3) + _varint(payload)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in entries)
+    return body + (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
+
+
+def _index(entries: list[tuple[bytes, bytes]], block_type: int = 0) -> bytes:
+    """A table as TensorFlow writes one: a data block, an empty meta index, an index block, a footer."""
+    data = _block(entries)
+    out = data + bytes([block_type]) + b"\0" * 4
+    meta_at = len(out)
+    meta = _block([])
+    out += meta + b"\0" * 5
+    index_at = len(out)
+    index = _block([(b"\xff", _varint(0) + _varint(len(data)))])
+    out += index + b"\0" * 5
+    handles = _varint(meta_at) + _varint(len(meta)) + _varint(index_at) + _varint(len(index))
+    return out + handles + b"\0" * (40 - len(handles)) + (0xDB4775248B80FB57).to_bytes(8, "little")
+
+
+def _entry(shape: list[int], size: int, offset: int = 0, dtype: int = 1, sliced: bool = False) -> bytes:
+    dims = b"".join(_field(2, _field(1, d)) for d in shape)
+    return (_field(1, dtype) + _field(2, dims) + _field(4, offset) + _field(5, size)
+            + (_field(7, _field(1, b"")) if sliced else b""))
+
+
+def _write(tmp_path: Path, entries, data: bytes = b"\0" * 16, block_type: int = 0) -> Path:
+    header = (b"", _field(1, 1))
+    (tmp_path / "model.index").write_bytes(_index([header, *entries], block_type))
+    (tmp_path / "model.data-00000-of-00001").write_bytes(data)
+    return tmp_path / "model"
+
+
+def test_a_minimal_checkpoint_reads(tmp_path):
+    prefix = _write(tmp_path, [(b"w", _entry([2, 2], 16))], np.arange(4, dtype="<f4").tobytes())
+    np.testing.assert_array_equal(read_bundle(prefix)["w"], np.arange(4, dtype=np.float32).reshape(2, 2))
+
+
+@pytest.mark.parametrize("entries,block_type,message", [
+    ([(b"w", _entry([1 << 40], 4))], 0, "declares shape"),
+    ([(b"w", _entry([4], 16, offset=8))], 0, "past the end of its data file"),
+    ([(b"w", _entry([4], 16, sliced=True))], 0, "sliced"),
+    ([(b"w", _entry([4], 16))], 1, "compressed"),
+    ([(b"w", _entry([2], 2, dtype=7))], 0, "not a number"),
+])
+def test_hostile_entries_are_refused_before_reading(tmp_path, entries, block_type, message):
+    prefix = _write(tmp_path, entries, block_type=block_type)
+    with pytest.raises(UnsafeCheckpointError, match=message):
+        read_bundle(prefix, ["w"])
+
+
+@pytest.mark.parametrize("damage", ["magic", "truncate", "varint"])
+def test_a_damaged_index_is_refused(tmp_path, damage):
+    prefix = _write(tmp_path, [(b"w", _entry([4], 16))])
+    index = bytearray((tmp_path / "model.index").read_bytes())
+    if damage == "magic":
+        index[-1] ^= 0xFF
+    elif damage == "truncate":
+        index = index[:30]
+    else:
+        index[:8] = b"\xff" * 8  # a varint that never ends inside the block
+    (tmp_path / "model.index").write_bytes(bytes(index))
+    with pytest.raises(UnsafeCheckpointError):
+        read_bundle(prefix)
+
+
+def test_a_symlinked_data_file_is_not_followed(tmp_path):
+    shutil.copytree(SAVER / "cartpole_ff/tf1_checkpoint", tmp_path / "ck")
+    data = tmp_path / "ck/model.data-00000-of-00001"
+    shutil.move(data, tmp_path / "elsewhere")
+    data.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+        read_bundle(tmp_path / "ck/model")
+    _, entries = bundle_entries(tmp_path / "ck/model")  # the index alone still reads
+    assert "default_policy/fc_1/kernel" in entries
