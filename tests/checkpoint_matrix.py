@@ -94,12 +94,23 @@ def passes(errors: dict[str, float]) -> bool:
     return all(v <= 1.0 for k, v in errors.items() if k.endswith("tolerance units") or k == "actions_0")
 
 
+def observation_feeds(policy: OnnxPolicy, expected: dict, pid: str, step: int | None = None) -> dict[str, np.ndarray]:
+    """The raw observations, or RLlib's filtered ones where the export holds no filter although
+    RLlib applied one (a Policy checkpoint written with connectors off carries none)."""
+    if policy.manifest["contract"].get("observation_filter") is None and f"{pid}/filtered" in expected \
+            and not policy.manifest["source"].get("observation_filter_left_out") \
+            and policy.manifest["source"].get("observation_filter_note"):
+        filtered = expected[f"{pid}/filtered"]
+        return {"observations": filtered if step is None else filtered[step]}
+    return raw_observations(expected, pid, step)
+
+
 def stepped_errors(policy: OnnxPolicy, expected: dict, pid: str, key: str) -> dict[str, float]:
     """A recurrent policy stepped as RLlib was, the state ONNX Runtime returns fed back."""
     worst: dict[str, float] = {}
     state = [expected[f"{pid}/state_in_{i}"][0] for i in range(2)]
     for step in range(expected[f"{pid}/actions"].shape[0]):
-        feeds = {**raw_observations(expected, pid, step), "state_in_0": state[0], "state_in_1": state[1],
+        feeds = {**observation_feeds(policy, expected, pid, step), "state_in_0": state[0], "state_in_1": state[1],
                  "seq_lens": np.ones(len(state[0]), np.int32)}
         feeds.update({name: expected[f"{pid}/{name}"][step] for name in ("prev_action", "prev_reward")
                       if name in policy.required})
@@ -119,12 +130,14 @@ def onnx_errors(export: Path, case: str, pid: str, actions: str = "environment")
     key = actions_key(expected, pid, actions)
     if "state_in_0" in policy.required:
         return stepped_errors(policy, expected, pid, key)
-    return errors_against_rllib(policy.run(raw_observations(expected, pid)), expected, pid, key)
+    return errors_against_rllib(policy.run(observation_feeds(policy, expected, pid)), expected, pid, key)
 
 
 def _row(case: str, pid: str, export: Path, errors: dict[str, float]) -> str:
     source = json.loads((export / "manifest.json").read_text())["source"]
     filt = source["observation_filter"]
+    if filt is None and source.get("observation_filter_note"):
+        filt = {"class": "none in the checkpoint (fed RLlib's filtered observations)", "clip": None}
     discrete = np.issubdtype(expected_outputs(case)[f"{pid}/actions"].dtype, np.integer)
     action = ("identical" if errors["actions_0"] == 0 else "differs") if discrete else f"{errors['actions_0']:.1e}"
     units = max(v for k, v in errors.items() if k.endswith("units"))

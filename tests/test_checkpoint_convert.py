@@ -103,6 +103,18 @@ def test_no_filter_takes_rllibs_filteredraw_observations(tmp_path):
     assert policy.manifest["source"]["observation_filter_left_out"]["class"] == "MeanStdFilter"
 
 
+def test_a_policy_checkpoint_without_its_filter_says_so(tmp_path):
+    out = tmp_path / "o"
+    run = cli("convert", str(CHECKPOINTS / "policy_no_connectors/checkpoint"), "--out", str(out), "--samples", "100",
+              "--explore-samples", "500", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    assert "connectors off carries no observation filter" in run.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["contract"]["observation_filter"] is None
+    assert case_record("policy_no_connectors")["filters"]["default_policy"]["class"] == "MeanStdFilter"
+    assert "algorithm_state.pkl" in manifest["source"]["observation_filter_note"]
+
+
 def test_all_policies_one_export_each(tmp_path):
     results = convert_checkpoint_policies(CHECKPOINTS / "multi_agent/checkpoint", tmp_path / "league", device="cpu",
                                           options=FAST)
