@@ -76,6 +76,35 @@ def test_policy_actions_are_rllibs_compute_actions(exported, case, pid):
             "the environment's action equals the policy's: the case does not test the unsquashing"
 
 
+RECURRENT = [(c, p) for c, p in PARAMS if f"{p}/state_in_0" in expected_outputs(c)]
+
+
+@pytest.mark.parametrize("case,pid", RECURRENT)
+def test_the_rebuilt_lstm_runs_whole_sequences_as_rllib_stepped_them(case, pid):
+    expected = expected_outputs(case)
+    policy, _ = load_checkpoint_policy(read_checkpoint(CHECKPOINTS / case / "checkpoint").policy(pid))
+    steps, batch = expected[f"{pid}/actions"].shape
+
+    def rows(name):  # [T, B, ...] -> B sequences of T contiguous rows
+        value = np.swapaxes(expected[f"{pid}/{name}"], 0, 1)
+        return value.reshape(batch * steps, *value.shape[2:])
+
+    prev = {k: rows(k) for k in ("prev_action", "prev_reward") if f"{pid}/{k}" in expected}
+    result = policy.compute_actions(rows("obs"), state=[expected[f"{pid}/state_in_{i}"][0] for i in range(2)],
+                                    seq_lens=np.full(batch, steps, np.int32), **prev)
+    np.testing.assert_array_equal(np.asarray(result.actions), rows("actions"))
+    np.testing.assert_allclose(result.fetches["vf_preds"], rows("vf_preds"), atol=ATOL, rtol=1e-5)
+    for i in range(2):
+        np.testing.assert_allclose(result.state_out[i], expected[f"{pid}/state_out_{i}"][-1], atol=ATOL, rtol=1e-5)
+
+
+def test_a_recurrent_export_is_stepped_against_its_sequence_graph(exported):
+    report = json.loads((exported("ppo_lstm", "default_policy") / "parity/report.json").read_text())
+    stepped = [r for r in report["records"] if "vs sequences" in r["format"]]
+    assert {r["format"].split(" ")[0] for r in stepped} >= {"onnx", "saved_model"}
+    assert all(r["passed"] for r in stepped) and {"actions_0", "state_out_0"} <= {r["key"] for r in stepped}
+
+
 def test_the_filter_and_its_statistics_are_in_the_contract(exported):
     case = case_record("ppo_filter")
     manifest = OnnxPolicy(exported("ppo_filter", "default_policy")).manifest

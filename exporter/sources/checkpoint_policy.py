@@ -43,6 +43,7 @@ from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterSt
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
 from policy_export.exporter.sources.rllib_nets import NetWeights, fcnet, lstm_step, q_values, visionnet
 from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
+from policy_export.policy.recurrent import SequenceGraph
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.keys import (
@@ -219,6 +220,18 @@ def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: 
         return _Net(out, {"vf_preds": tf.reshape(value, [-1])})
     features, _ = _base(policy, x, w, model, None, with_value=False)
     cell = int(model["lstm_cell_size"])
+    net = _recurrent_inputs(policy, model, features, cell)
+    logits, values, (h, c) = lstm_step(net.dist_inputs, (net.state_in[0], net.state_in[1]), w, cell, num_outputs)
+    active = tf.expand_dims(net.seq_lens > 0, -1)  # a zero-length sequence keeps its state, as Keras's mask does
+    net.state_out = [tf.where(active, h, net.state_in[0]), tf.where(active, c, net.state_in[1])]
+    net.dist_inputs, net.extras = logits, {"vf_preds": tf.reshape(values, [-1])}
+    return net
+
+
+def _recurrent_inputs(policy: CheckpointPolicy, model: dict[str, Any], features: tf.Tensor, cell: int) -> _Net:
+    """The state, ``seq_lens``, previous action and reward placeholders, and in ``dist_inputs``
+    (for now) the LSTM's input: the features with the previous action and reward as RLlib
+    concatenates them."""
     net = _Net(features, {})
     net.state_in = [tf1.placeholder(tf.float32, (None, cell), name=state_in_key(i)) for i in range(2)]
     net.seq_lens = tf1.placeholder(tf.int32, (None,), name=SEQ_LENS)
@@ -229,11 +242,7 @@ def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: 
     if model.get("lstm_use_prev_reward"):
         net.prev_reward = tf1.placeholder(tf.float32, (None,), name=PREV_REWARD)
         parts.append(tf.reshape(net.prev_reward, (-1, 1)))
-    lstm_in = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
-    logits, values, (h, c) = lstm_step(lstm_in, (net.state_in[0], net.state_in[1]), w, cell, num_outputs)
-    active = tf.expand_dims(net.seq_lens > 0, -1)  # a zero-length sequence keeps its state, as Keras's mask does
-    net.state_out = [tf.where(active, h, net.state_in[0]), tf.where(active, c, net.state_in[1])]
-    net.dist_inputs, net.extras = logits, {"vf_preds": tf.reshape(values, [-1])}
+    net.dist_inputs = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
     return net
 
 
@@ -315,14 +324,59 @@ def environment_actions(actions: list[tf.Tensor], space: gym.Space, config: Mapp
     return out
 
 
+def _served_actions(dist, raw: list[tf.Tensor], policy: CheckpointPolicy, actions: str) -> list[tf.Tensor]:
+    """The distribution's samples ``raw`` as served: the policy's own, or the environment's."""
+    done = dist.postprocess(raw, clip=False)
+    return environment_actions(done, policy.action_space, policy.config) if actions == "environment" else done
+
+
+def _sequence_graph(policy: CheckpointPolicy, w: NetWeights, actions: str, explore: tf.Tensor,
+                    use_filter: bool) -> SequenceGraph:
+    """The LSTM policy over ``B`` padded sequences of ``T`` steps (``B*T`` rows, ``seq_lens``),
+    looped with ``tf.scan``: what :meth:`TFPolicy.compute_actions` and stepped parity run."""
+    model, space, flatten = model_config(policy), *observation_space(policy)
+    cell, n = int(model["lstm_cell_size"]), ActionDistribution.required_inputs(policy.action_space)
+    with tf1.name_scope("sequences"):
+        obs, flat = _observations(space, flatten)
+        features, _ = _base(policy, filtered(flat, policy.filter if use_filter else None), w, model, None,
+                            with_value=False)
+        net = _recurrent_inputs(policy, model, features, cell)
+        batch = tf.shape(net.seq_lens)[0]
+        time = tf.shape(net.dist_inputs)[0] // batch
+        width = int(net.dist_inputs.shape[-1])
+        seq = tf.transpose(tf.reshape(net.dist_inputs, (batch, time, width)), (1, 0, 2))
+        mask = tf.transpose(tf.sequence_mask(net.seq_lens, time))
+
+        def step(carry, elems):
+            h, c = carry[0], carry[1]
+            logits, values, (h2, c2) = lstm_step(elems[0], (h, c), w, cell, n)
+            keep = tf.expand_dims(elems[1], -1)
+            return tf.where(keep, h2, h), tf.where(keep, c2, c), logits, tf.reshape(values, [-1])
+
+        zeros = (tf.zeros((batch, n)), tf.zeros((batch,)))
+        h, c, logits, values = tf.scan(step, (seq, mask), initializer=(net.state_in[0], net.state_in[1], *zeros))
+        rows = tf.reshape(tf.transpose(logits, (1, 0, 2)), (-1, n))
+        dist = _distribution("actor_critic", policy, rows)
+        raw = tf.cond(explore, dist.sample, dist.deterministic_sample)
+        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        logp = tf.cond(explore, lambda: dist.logp(raw), lambda: tf.zeros_like(rows[:, 0]))
+        outputs = {action_key(i): a for i, a in enumerate(_served_actions(dist, raw, policy, actions))}
+        outputs.update({state_out_key(0): h[-1], state_out_key(1): c[-1], ACTION_DIST_INPUTS: rows,
+                        ACTION_LOGP: logp, ACTION_PROB: tf.exp(logp),
+                        "vf_preds": tf.reshape(tf.transpose(values), [-1])})
+    inputs = {**(obs if isinstance(obs, dict) else {OBSERVATIONS: obs}), state_in_key(0): net.state_in[0],
+              state_in_key(1): net.state_in[1], SEQ_LENS: net.seq_lens, EXPLORE: explore}
+    inputs.update({k: t for k, t in ((PREV_ACTION, net.prev_action), (PREV_REWARD, net.prev_reward)) if t is not None})
+    return SequenceGraph(inputs, outputs, int(model["max_seq_len"]))
+
+
 def _heads(kind: str, policy: CheckpointPolicy, net: _Net, actions: str):
     """``(outputs, deterministic outputs, raw actions, explore placeholder or None)``."""
     dist_inputs = tf.identity(net.dist_inputs, name=ACTION_DIST_INPUTS)
     dist = _distribution(kind, policy, dist_inputs)
 
     def final(raw):
-        done = dist.postprocess(raw, clip=False)
-        return environment_actions(done, policy.action_space, policy.config) if actions == "environment" else done
+        return _served_actions(dist, raw, policy, actions)
 
     extras = {k: tf.identity(t, name=f"extra/{k}") for k, t in net.extras.items()}
     states = {state_out_key(i): tf.identity(t, name=state_out_key(i)) for i, t in enumerate(net.state_out)}
@@ -374,6 +428,9 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
         outputs, deterministic, raw, explore = _heads(kind, policy, net, actions)
         is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
         timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
+        sequences = _sequence_graph(policy, weights, actions, explore, use_filter) if net.state_in else None
+        if sequences is not None:
+            sequences.inputs[TIMESTEP] = timestep
     session = tf1.Session(graph=graph, config=session_config(device))
     action_keys = [k for k in outputs if k.startswith("actions_")]
     # the parity check of sampled log-probabilities feeds a format's actions back as the raw
@@ -389,7 +446,7 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
         raw_actions=None if transformed else raw, state_inputs=net.state_in, state_outputs=[deterministic[state_out_key(i)]
                                                                     for i in range(len(net.state_out))],
         seq_lens=net.seq_lens, prev_action=net.prev_action, prev_reward=net.prev_reward,
-        deterministic_outputs=deterministic, name=policy.policy_id,
+        deterministic_outputs=deterministic, sequence_graph=sequences, name=policy.policy_id,
     )
     if explore is None:
         tf_policy.explore_refused = ("DQN explores epsilon-greedily on a schedule of the training step; the "
