@@ -293,6 +293,7 @@ def cmd_convert(args, console) -> int:
 
     if is_rllib_checkpoint(args.saved_model):
         return _convert_checkpoint(args, console, opts)
+    _point_into_tune_directories(Path(args.saved_model))
     checkpoint_only = [flag for flag, given in (("--policy-id", args.policy_id), ("--all-policies", args.all_policies),
                                                 ("--no-filter", args.no_filter),
                                                 ("--actions", args.actions != "environment")) if given]
@@ -327,6 +328,19 @@ def cmd_convert(args, console) -> int:
     console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] to "
                   f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
     return _partial_status(console, result, args)
+
+
+def _point_into_tune_directories(path: Path) -> None:
+    """A directory that is neither a SavedModel nor a checkpoint but holds checkpoints (ray <= 2.6
+    saves into ``checkpoint_000001/`` inside the directory given; Tune keeps several): name them."""
+    from policy_export.errors import ExportError
+
+    if not path.is_dir() or (path / "saved_model.pb").exists():
+        return
+    inner = sorted(p.parent.name for p in path.glob("*/rllib_checkpoint.json"))
+    if inner:
+        raise ExportError(f"{path} is not a checkpoint itself but holds RLlib checkpoints in {', '.join(inner)}: "
+                          f"give one of those directories (e.g. {path / inner[-1]})")
 
 
 def _convert_checkpoint(args, console, opts) -> int:

@@ -1,7 +1,7 @@
 """RLlib checkpoints converted without ray, ``model.onnx`` against RLlib's own outputs.
 
-For each checkpoint under ``fixtures/rllib/checkpoints/`` (written by RLlib 2.9.3,
-``fixtures/rllib/make_checkpoints.py``) and each of its policy ids: ``convert`` it, run
+For each checkpoint under ``fixtures/rllib/checkpoints/`` (written by RLlib 2.9.3, and the
+``ray25_*`` ones by RLlib 2.5.1, with ``fixtures/rllib/make_checkpoints.py``) and each of its policy ids: ``convert`` it, run
 ``model.onnx`` in ONNX Runtime fed the raw environment observations and only the inputs its
 contract requires (recurrent policies stepped with the state ONNX Runtime returned fed back), and
 compare with RLlib's ``policy.compute_actions(explore=False)`` on its own filtered observations
@@ -28,12 +28,12 @@ ATOL = RTOL = 1e-5
 EXTRAS = ("action_dist_inputs", "vf_preds", "q_values")
 
 
-def case_record(name: str) -> dict:
-    return json.loads((CHECKPOINTS / name / "case.json").read_text())
+def case_record(name: str, root: Path = CHECKPOINTS) -> dict:
+    return json.loads((root / name / "case.json").read_text())
 
 
-def expected_outputs(name: str) -> dict[str, np.ndarray]:
-    with np.load(CHECKPOINTS / name / "expected.npz") as data:
+def expected_outputs(name: str, root: Path = CHECKPOINTS) -> dict[str, np.ndarray]:
+    with np.load(root / name / "expected.npz") as data:
         return {k: data[k] for k in data.files}
 
 
@@ -123,9 +123,10 @@ def stepped_errors(policy: OnnxPolicy, expected: dict, pid: str, key: str) -> di
     return worst
 
 
-def onnx_errors(export: Path, case: str, pid: str, actions: str = "environment") -> dict[str, float]:
+def onnx_errors(export: Path, case: str, pid: str, actions: str = "environment",
+                root: Path = CHECKPOINTS) -> dict[str, float]:
     """The largest error per output of ``export``'s ``model.onnx`` against RLlib's for ``case``."""
-    expected = expected_outputs(case)
+    expected = expected_outputs(case, root)
     policy = OnnxPolicy(export)
     key = actions_key(expected, pid, actions)
     if "state_in_0" in policy.required:
@@ -133,40 +134,43 @@ def onnx_errors(export: Path, case: str, pid: str, actions: str = "environment")
     return errors_against_rllib(policy.run(observation_feeds(policy, expected, pid)), expected, pid, key)
 
 
-def _row(case: str, pid: str, export: Path, errors: dict[str, float]) -> str:
+def _row(case: str, pid: str, export: Path, errors: dict[str, float], root: Path) -> str:
     source = json.loads((export / "manifest.json").read_text())["source"]
     filt = source["observation_filter"]
     if filt is None and source.get("observation_filter_note"):
         filt = {"class": "none in the checkpoint (fed RLlib's filtered observations)", "clip": None}
-    discrete = np.issubdtype(expected_outputs(case)[f"{pid}/actions"].dtype, np.integer)
+    discrete = np.issubdtype(expected_outputs(case, root)[f"{pid}/actions"].dtype, np.integer)
     action = ("identical" if errors["actions_0"] == 0 else "differs") if discrete else f"{errors['actions_0']:.1e}"
     units = max(v for k, v in errors.items() if k.endswith("units"))
     floats = max(v for k, v in errors.items() if k != "actions_0" and not k.endswith("units"))
     assert passes(errors), errors
-    meta = case_record(case)["rllib_checkpoint"]
-    return (f"| {case} | {pid} | {source['policy_class']} | {meta['type']}, {meta['format']} | "
+    meta = case_record(case, root)["rllib_checkpoint"]
+    return (f"| {case} | {pid} | {meta['ray_version']} | {source['policy_class']} | {meta['type']}, {meta['format']} | "
             f"{filt['class'] + (' clip ' + str(filt['clip']) if filt['clip'] else '') if filt else '-'} | "
             f"{action} | {floats:.1e} | {units:.2f} |")
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """``[--root DIR]``: the checkpoints under ``DIR`` (default ``fixtures/rllib/checkpoints``), as
+    ``make_checkpoints.py --out DIR`` writes them with any ray version."""
     from policy_export.exporter.convert import convert_checkpoint
     from policy_export.exporter.options import ExportOptions
     from policy_export.exporter.quiet import quiet_libraries
 
+    root = Path(argv[1]) if argv[:1] == ["--root"] else CHECKPOINTS
     quiet_libraries(False)
-    print("| checkpoint | policy id | policy class | kind | filter | actions (environment's) | largest float error "
-          "| of the tolerance |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| checkpoint | policy id | ray | policy class | kind | filter | actions (environment's) "
+          "| largest float error | of the tolerance |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for case in CASES:
-            for pid in case_record(case)["policy_ids"]:
+        for case in sorted(p.name for p in root.iterdir() if (p / "case.json").is_file()):
+            for pid in case_record(case, root)["policy_ids"]:
                 out = Path(tmp) / case / pid
-                convert_checkpoint(CHECKPOINTS / case / "checkpoint", out, policy_id=pid, device="cpu",
+                convert_checkpoint(root / case / "checkpoint", out, policy_id=pid, device="cpu",
                                    options=ExportOptions(samples=200, explore_samples=1000))
-                print(_row(case, pid, out, onnx_errors(out, case, pid)), flush=True)
+                print(_row(case, pid, out, onnx_errors(out, case, pid, root=root), root), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

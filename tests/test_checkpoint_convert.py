@@ -1,7 +1,7 @@
 """``convert`` of RLlib checkpoints: the exported ``model.onnx`` against RLlib's own outputs.
 
 The checkpoints under ``fixtures/rllib/checkpoints/`` were written by RLlib itself (ray 2.9.3,
-``fixtures/rllib/make_checkpoints.py``), with RLlib's ``policy.compute_actions(explore=False)`` on
+``ray25_*`` by 2.5.1; ``fixtures/rllib/make_checkpoints.py``), with RLlib's ``policy.compute_actions(explore=False)`` on
 its own filtered observations in ``expected.npz``. Each test converts a checkpoint without ray and
 feeds ``model.onnx`` the raw environment observations and only the inputs its contract requires.
 """
@@ -265,6 +265,13 @@ def test_checkpoint_options_are_checked_before_anything_runs(tmp_path, args, mes
     run = cli("convert", str(CHECKPOINTS / "multi_agent/checkpoint"), "--out", str(tmp_path / "o"), *args)
     assert run.returncode == 2 and message in run.stderr, run.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_directory_of_checkpoints_names_them(tmp_path):
+    for step in ("checkpoint_000001", "checkpoint_000002"):
+        shutil.copytree(CHECKPOINTS / "policy_msgpack/checkpoint", tmp_path / "run" / step)
+    run = cli("convert", str(tmp_path / "run"), "--out", str(tmp_path / "o"))
+    assert run.returncode == 2 and "checkpoint_000001, checkpoint_000002: give one of those" in run.stderr, run.stderr
 
 
 def test_checkpoint_options_on_a_saved_model_are_refused(tmp_path):
