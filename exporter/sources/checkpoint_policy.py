@@ -12,12 +12,12 @@ weights alone:
    (``use_filter=False`` leaves it out, for a caller who applies it);
 3. **the network** (:mod:`exporter.sources.rllib_nets`): RLlib's fully connected or vision net, its LSTM
    wrapper (one step, the state ``state_in_0``/``state_in_1`` = ``h``/``c`` carried by the
-   caller), DQN's Q head, SAC's and CQL's actor net;
+   caller), DQN's Q head, SAC's and CQL's actor net, DDPG's and TD3's deterministic actor;
 4. **the action head** with RLlib's meanings: with ``explore`` false the distribution's
    deterministic sample (argmax, the Gaussian mean, SAC's squashed mean) with ``action_logp`` 0;
    with ``explore`` true a sample and its log-probability. DQN explores epsilon-greedily on a
-   schedule of the training step, which a served model does not have: its export has no
-   ``explore`` input and serves the greedy action;
+   schedule of the training step and DDPG/TD3 with noise, which a served model does not have:
+   their exports have no ``explore`` input and serve the greedy action (:data:`SERVES_GREEDY`);
 5. **the actions**: ``actions="environment"`` (the default) gives what
    ``Algorithm.compute_single_action`` hands the environment: with ``normalize_actions`` each
    bounded float Box leaf unsquashed from [-1, 1] to its bounds and clipped to them, else with
@@ -41,7 +41,7 @@ import tensorflow as tf
 from policy_export.errors import ExportError
 from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterState
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
-from policy_export.exporter.sources.rllib_nets import NetWeights, fcnet, lstm_step, q_values, visionnet
+from policy_export.exporter.sources.rllib_nets import NetWeights, ddpg_actor, fcnet, lstm_step, q_values, visionnet
 from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
 from policy_export.policy.recurrent import SequenceGraph
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
@@ -60,12 +60,21 @@ ACTOR_CRITIC = ("PPOTF1Policy", "PPOTF2Policy", "PPOTFPolicy", "APPOTF1Policy", 
                 "ImpalaTF2Policy", "A3CTFPolicy", "A3CTF1Policy", "A3CTF2Policy", "PGTF1Policy", "PGTF2Policy",
                 "MARWILTF1Policy", "MARWILTF2Policy", "BCTF1Policy", "BCTF2Policy")
 Q_LEARNING = ("DQNTFPolicy", "DQNTF1Policy", "DQNTF2Policy")
+DETERMINISTIC_ACTOR = ("DDPGTFPolicy", "DDPGTF1Policy", "DDPGTF2Policy", "TD3TFPolicy", "TD3TF1Policy", "TD3TF2Policy")
 SOFT_ACTOR = ("SACTFPolicy", "SACTF1Policy", "SACTF2Policy", "CQLTFPolicy", "CQLTF1Policy", "CQLTF2Policy")
 # RLlib's MODEL_DEFAULTS for the keys the rebuilt networks read
 MODEL_DEFAULTS = {"fcnet_hiddens": [256, 256], "fcnet_activation": "tanh", "post_fcnet_hiddens": [],
                   "post_fcnet_activation": "relu", "free_log_std": False, "no_final_linear": False,
                   "vf_share_layers": True, "use_lstm": False, "lstm_cell_size": 256, "lstm_use_prev_action": False,
                   "lstm_use_prev_reward": False, "max_seq_len": 20, "conv_filters": None, "conv_activation": "relu"}
+# the families whose exploration depends on the training step or on noise state the served model
+# does not have: their exports serve the greedy action, with no explore input
+SERVES_GREEDY = {
+    "q_learning": "DQN explores epsilon-greedily on a schedule of the training step; the export serves the "
+                  "greedy action",
+    "deterministic_actor": "DDPG and TD3 explore with noise (Ornstein-Uhlenbeck state, or Gaussian on a schedule "
+                           "of the training step); the export serves the actor's action",
+}
 FROM_RLLIB = ("load the checkpoint with RLlib (the ray version that wrote it) in your own process and pass the "
               "policy to policy_export.from_rllib")
 
@@ -127,13 +136,15 @@ def network_kind(policy: CheckpointPolicy) -> str:
             raise ExportError(f"{where}: model {key} (the attention net) is not rebuilt from checkpoints; {FROM_RLLIB}")
     base_network(policy)
     name = policy.policy_class.rsplit(".", 1)[-1]
-    for kind, classes in (("actor_critic", ACTOR_CRITIC), ("q_learning", Q_LEARNING), ("soft_actor", SOFT_ACTOR)):
+    for kind, classes in (("actor_critic", ACTOR_CRITIC), ("q_learning", Q_LEARNING), ("soft_actor", SOFT_ACTOR),
+                          ("deterministic_actor", DETERMINISTIC_ACTOR)):
         if name in classes:
             if model.get("use_lstm") and kind != "actor_critic":
                 raise ExportError(f"{where}: use_lstm with {name} is not rebuilt from checkpoints; {FROM_RLLIB}")
             return kind
     raise ExportError(f"{where}: the policy class {name} is not one the package rebuilds from a checkpoint "
-                      f"(it rebuilds {', '.join(ACTOR_CRITIC[:1] + Q_LEARNING[:1] + SOFT_ACTOR[:1])} and their "
+                      f"(it rebuilds {', '.join(ACTOR_CRITIC[:1] + Q_LEARNING[:1] + SOFT_ACTOR[:1] + DETERMINISTIC_ACTOR[:1])} "
+                      f"and their "
                       f"family); {FROM_RLLIB}")
 
 
@@ -292,7 +303,37 @@ def _squashed(kind: str, policy: CheckpointPolicy) -> bool:
     return bool(policy.config.get("normalize_actions", True))
 
 
+def _deterministic_actor(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any]) -> _Net:
+    """DDPG/TD3: the observations (or, with ``use_state_preprocessor``, the catalog net's 256
+    features) through the actor head; its output is the action."""
+    space, config = policy.action_space, policy.config
+    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
+        raise ExportError(f"DDPG and TD3 need a 1-D Box action space, the checkpoint has {space}")
+    if (config.get("exploration_config") or {}).get("type") == "ParameterNoise":
+        raise ExportError(f"DDPG with ParameterNoise (layer-normalised heads) is not rebuilt; {FROM_RLLIB}")
+    if config.get("use_state_preprocessor"):
+        x, _ = _base(policy, x, w, dict(model, no_final_linear=True), 256, with_value=False)
+    bounded = bool(np.logical_and(space.bounded_above, space.bounded_below).any())
+    out = ddpg_actor(x, w, config, np.asarray(space.low, np.float32), np.asarray(space.high, np.float32), bounded)
+    return _Net(out, {})
+
+
+class _Greedy:
+    """DDPG's ``Deterministic`` distribution: its inputs are the action."""
+
+    def __init__(self, inputs: tf.Tensor):
+        self.inputs = inputs
+
+    def deterministic_sample(self):
+        return [self.inputs]
+
+    def postprocess(self, actions, clip: bool = True):
+        return list(actions)
+
+
 def _distribution(kind: str, policy: CheckpointPolicy, dist_inputs: tf.Tensor):
+    if kind == "deterministic_actor":
+        return _Greedy(dist_inputs)
     if _squashed(kind, policy):
         return _OneLeaf(SquashedGaussian(dist_inputs, policy.action_space))
     return ActionDistribution(dist_inputs, policy.action_space)
@@ -386,7 +427,7 @@ def _heads(kind: str, policy: CheckpointPolicy, net: _Net, actions: str):
         deterministic = {action_key(i): tf.identity(a) for i, a in enumerate(final(det_raw))}
         deterministic.update({**extras, **states, ACTION_DIST_INPUTS: tf.identity(dist_inputs),
                               ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.ones_like(zeros)})
-    if kind == "q_learning":  # the greedy action is all it serves: the same tensors
+    if kind in SERVES_GREEDY:  # the greedy action is all it serves: the same tensors
         return dict(deterministic), deterministic, det_raw, None
     explore = tf1.placeholder_with_default(False, (), name=EXPLORE)
     raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
@@ -423,6 +464,8 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
                 net = _actor_critic(policy, x, weights, model)
             elif kind == "q_learning":
                 net = _q_learning(policy, x, weights, model)
+            elif kind == "deterministic_actor":
+                net = _deterministic_actor(policy, x, weights, model)
             else:
                 net = _soft_actor(policy, x, weights)
         outputs, deterministic, raw, explore = _heads(kind, policy, net, actions)
@@ -449,8 +492,7 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
         deterministic_outputs=deterministic, sequence_graph=sequences, name=policy.policy_id,
     )
     if explore is None:
-        tf_policy.explore_refused = ("DQN explores epsilon-greedily on a schedule of the training step; the "
-                                     "export serves the greedy action")
+        tf_policy.explore_refused = SERVES_GREEDY[kind]
     return tf_policy, _record(policy, kind, model, weights, use_filter, actions)
 
 

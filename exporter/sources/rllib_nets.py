@@ -12,6 +12,7 @@ built from it:
   its ``logits`` and ``values`` layers;
 - :func:`visionnet`: ``VisionNetwork`` (``conv_filters`` or RLlib's default for the image size,
   ``conv_activation``, ``post_fcnet_hiddens``, ``no_final_linear``, ``vf_share_layers``);
+- :func:`ddpg_actor`: DDPG's and TD3's deterministic policy head;
 - :func:`q_values`: DQN's ``DistributionalQTFModel`` head (``hiddens``, ``dueling``,
   ``num_atoms`` with ``v_min``/``v_max``), and the mean over non-masked actions RLlib centres the
   advantages with.
@@ -309,3 +310,32 @@ def visionnet(x: tf.Tensor, w: NetWeights, model: Mapping[str, Any], num_outputs
     value = conv(value, w, f"conv_value_{len(filters)}", filters[-1], "valid", act)
     value = conv(value, w, "conv_value_out", [1, 1, 1], "same", None)
     return out, tf.squeeze(value, axis=[1, 2])
+
+
+# DDPG's getattr(tf.nn, actor_hidden_activation, tf.nn.relu), for the names tf.nn has
+TF_NN_ACTIVATIONS = {"relu": tf.nn.relu, "relu6": tf.nn.relu6, "tanh": tf.tanh, "elu": tf.nn.elu, "selu": tf.nn.selu,
+                     "sigmoid": tf.sigmoid, "softplus": tf.nn.softplus, "softsign": tf.nn.softsign,
+                     "silu": tf.nn.silu, "swish": tf.nn.silu, "gelu": tf.nn.gelu, "leaky_relu": tf.nn.leaky_relu}
+
+
+def ddpg_actor(model_out: tf.Tensor, w: NetWeights, config: Mapping[str, Any], low: np.ndarray,
+               high: np.ndarray, bounded: bool) -> tf.Tensor:
+    """DDPG's and TD3's policy head (``DDPGTFModel.policy_model``): ``actor_hiddens`` with
+    ``actor_hidden_activation``, ``actor_out``, and for a bounded Box ``(high - low) *
+    sigmoid(2 x) + low``.
+
+    Raises:
+        ExportError: an activation name ``tf.nn`` lacks (RLlib itself would quietly use relu).
+    """
+    hiddens = [int(h) for h in config.get("actor_hiddens", [256, 256]) or []]
+    name = config.get("actor_hidden_activation", "relu")
+    if name not in TF_NN_ACTIVATIONS:
+        raise ExportError(f"actor_hidden_activation {name!r}: not one of {', '.join(TF_NN_ACTIVATIONS)}")
+    last = model_out
+    for i, size in enumerate(hiddens):
+        last = w.dense(last, f"actor_hidden_{i}", size, TF_NN_ACTIVATIONS[name])
+    out = w.dense(last, "actor_out", int(low.size)) if hiddens else last
+    if bounded:  # RLlib squashes every component once any is bounded on both sides
+        span = (high - low).astype(np.float32)[None]
+        out = span * tf.sigmoid(2.0 * out) + low.astype(np.float32)[None]
+    return out
