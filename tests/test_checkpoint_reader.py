@@ -215,3 +215,19 @@ def test_unknown_checkpoint_kinds_are_named(copied, meta):
     (copied / "rllib_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(UnsafeCheckpointError, match="Learner|2.0|json"):
         ckpt.read_checkpoint(copied)
+
+
+def test_a_policy_without_a_readable_config_is_refused():
+    root = ROOT / "fixtures/rllib/checkpoints/ppo_filter/checkpoint"
+    parts = ("policies", "default_policy")
+    state = ckpt._state(root, parts, ckpt._metadata(root, parts))
+    assert ckpt.policy_from_state("default_policy", state, "here").config["model"]["fcnet_hiddens"] == [16, 16]
+    state["policy_spec"]["config"] = None  # rebuilding from RLlib's defaults would build another network
+    with pytest.raises(UnsafeCheckpointError, match="no readable config"):
+        ckpt.policy_from_state("default_policy", state, "here")
+
+
+def test_a_config_object_is_read_as_its_fields():
+    policy = ckpt.read_checkpoint(ROOT / "fixtures/rllib/checkpoints/pg/checkpoint").policy()
+    assert policy.policy_class.endswith("PGTF1Policy")  # a class pickled by reference
+    assert policy.config["model"]["fcnet_hiddens"] == [16, 8] and policy.config["observation_filter"] == "MeanStdFilter"

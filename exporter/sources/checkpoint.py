@@ -285,14 +285,31 @@ def _weights(state: dict[str, Any], where: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _config(config: Any, where: str) -> dict[str, Any]:
+    """The policy's config as a dict: RLlib writes a dict, or (some algorithms, ray 2.9) its
+    ``AlgorithmConfig`` object, read here as the record's fields, whose names are the dict's keys.
+
+    Raises:
+        UnsafeCheckpointError: no readable config (rebuilding from defaults could build another net).
+    """
+    if isinstance(config, Record):
+        config = config.fields()
+    if not isinstance(config, dict) or not config:
+        raise UnsafeCheckpointError(f"{where}: policy_spec holds no readable config ({type(config).__name__}); "
+                                    f"the network cannot be rebuilt without it")
+    return config
+
+
 def policy_from_state(policy_id: str, state: dict[str, Any], where: str) -> CheckpointPolicy:
     spec = state.get("policy_spec")
     if not isinstance(spec, dict):
         raise UnsafeCheckpointError(f"{where}: no policy_spec (RLlib >= 2.1 writes one)")
     obs, act, original = _spaces(spec, where)
     policy_class = spec.get("policy_class")
-    policy_class = policy_class.ref if isinstance(policy_class, Record) else str(policy_class)
-    config = spec.get("config") if isinstance(spec.get("config"), dict) else {}
+    # a class pickled by reference is a record type, an instance or a name carries it as ``ref``
+    is_record = isinstance(policy_class, Record) or (isinstance(policy_class, type) and issubclass(policy_class, Record))
+    policy_class = policy_class.ref if is_record else str(policy_class)
+    config = _config(spec.get("config"), where)
     return CheckpointPolicy(policy_id=policy_id, policy_class=policy_class, observation_space=obs,
                             action_space=act, original_observation_space=original, config=config,
                             weights=_weights(state, where), global_timestep=int(state.get("global_timestep") or 0),
