@@ -31,6 +31,7 @@ from tests.checkpoint_matrix import (
 )
 
 FAST = ExportOptions(samples=200, explore_samples=1000)
+ONNX_ONLY = ExportOptions(formats=["onnx"], samples=200, explore_samples=1000)  # what the RLlib comparison runs
 PARAMS = [(case, pid) for case in CASES for pid in case_record(case)["policy_ids"]]
 
 
@@ -44,7 +45,7 @@ def exported(tmp_path_factory):
         if key not in made:
             out = tmp_path_factory.mktemp(f"{case}_{actions}") / pid
             convert_checkpoint(CHECKPOINTS / case / "checkpoint", out, policy_id=pid, actions=actions,
-                               device="cpu", options=FAST)
+                               device="cpu", options=ONNX_ONLY)
             made[key] = out
         return made[key]
 
@@ -101,7 +102,7 @@ def test_the_rebuilt_lstm_runs_whole_sequences_as_rllib_stepped_them(case, pid):
 def test_a_recurrent_export_is_stepped_against_its_sequence_graph(exported):
     report = json.loads((exported("ppo_lstm", "default_policy") / "parity/report.json").read_text())
     stepped = [r for r in report["records"] if "vs sequences" in r["format"]]
-    assert {r["format"].split(" ")[0] for r in stepped} >= {"onnx", "saved_model"}
+    assert {r["format"].split(" ")[0] for r in stepped} == {"onnx"}
     assert all(r["passed"] for r in stepped) and {"actions_0", "state_out_0"} <= {r["key"] for r in stepped}
 
 
