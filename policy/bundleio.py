@@ -27,7 +27,10 @@ from policy_export.errors import UnsafeCheckpointError
 
 INDEX_LIMIT = 64 << 20
 DATA_LIMIT = 1 << 30
-MAX_ENTRIES = 1_000_000
+MAX_ENTRIES = 200_000
+MAX_KEY = 4096  # bytes of one tensor name
+MAX_KEY_BYTES = 64 << 20  # of all names: prefix compression lets a small index declare much more
+MAX_RANK = 32
 MAGIC = 0xDB4775248B80FB57
 FOOTER = 48
 # TensorFlow's DataType enum -> numpy, for the dtypes weights are stored in
@@ -120,13 +123,16 @@ def _block(index: bytes, offset: int, size: int, where: str) -> list[tuple[bytes
     end = offset + size - 4 * (restarts + 1)
     if restarts < 1 or end < offset:
         raise UnsafeCheckpointError(f"{where}: a block with {restarts} restart points does not fit its size")
-    cur, entries, key = _Cursor(index, where, offset, end), [], b""
+    cur, entries, key, key_bytes = _Cursor(index, where, offset, end), [], b"", 0
     while cur.pos < end:
         shared, unshared, length = cur.varint(), cur.varint(), cur.varint()
-        if shared > len(key):
-            cur.fail("a key sharing more bytes than the previous key has")
+        if shared > len(key) or shared + unshared > MAX_KEY:
+            cur.fail(f"a key of {shared} shared + {unshared} bytes (the previous key has {len(key)}; at most {MAX_KEY})")
         key = key[:shared] + cur.take(unshared)
         entries.append((key, cur.take(length)))
+        key_bytes += len(key)
+        if len(entries) > MAX_ENTRIES or key_bytes > MAX_KEY_BYTES:
+            cur.fail(f"more than {MAX_ENTRIES} entries or {MAX_KEY_BYTES} bytes of names in a block")
     return entries
 
 
@@ -140,22 +146,35 @@ def _table(index: bytes, where: str) -> list[tuple[bytes, bytes]]:
         raise UnsafeCheckpointError(f"{where}: no table footer (magic number); not a TensorFlow checkpoint index")
     footer = _Cursor(index, where, len(index) - FOOTER, len(index) - 8)
     _handle(footer)  # the meta index, unused
-    entries = []
+    entries, key_bytes = [], 0
     for _, value in _block(index, *_handle(footer), where):
-        entries.extend(_block(index, *_handle(_Cursor(value, where)), where))
-        if len(entries) > MAX_ENTRIES:
-            raise UnsafeCheckpointError(f"{where}: more than {MAX_ENTRIES} entries")
+        block = _block(index, *_handle(_Cursor(value, where)), where)
+        entries.extend(block)
+        key_bytes += sum(len(k) for k, _ in block)
+        if len(entries) > MAX_ENTRIES or key_bytes > MAX_KEY_BYTES:
+            raise UnsafeCheckpointError(f"{where}: more than {MAX_ENTRIES} entries or {MAX_KEY_BYTES} bytes of names")
     return entries
+
+
+def _typed(fields, where: str, varints: Iterable[int] = (), messages: Iterable[int] = ()):
+    """The fields, each known one checked to have its wire type (0: a varint, 2: bytes)."""
+    varints, messages = set(varints), set(messages)
+    for number, wire, value in fields:
+        if (number in varints and wire != 0) or (number in messages and wire != 2):
+            raise UnsafeCheckpointError(f"{where}: field {number} has wire type {wire}")
+        yield number, value
 
 
 def _shape(data: bytes, where: str) -> tuple[int, ...]:
     dims = []
-    for number, _, value in _Cursor(data, where).fields():
+    for number, value in _typed(_Cursor(data, where).fields(), where, varints=(3,), messages=(2,)):
         if number == 2:  # Dim
-            size = next((v for n, w, v in _Cursor(value, where).fields() if n == 1), 0)
-            if size >= 1 << 62:
-                raise UnsafeCheckpointError(f"{where}: a dimension of {size - (1 << 64)} (unknown or negative)")
+            size = next((v for n, v in _typed(_Cursor(value, where).fields(), where, varints=(1,)) if n == 1), 0)
+            if size >= 1 << 31:
+                raise UnsafeCheckpointError(f"{where}: a dimension of {size} (unknown, negative or too large)")
             dims.append(size)
+            if len(dims) > MAX_RANK:
+                raise UnsafeCheckpointError(f"{where}: a tensor of rank over {MAX_RANK}")
         elif number == 3 and value:
             raise UnsafeCheckpointError(f"{where}: a tensor of unknown rank")
     return tuple(dims)
@@ -163,11 +182,12 @@ def _shape(data: bytes, where: str) -> tuple[int, ...]:
 
 def _entry(name: str, data: bytes, where: str) -> BundleEntry:
     found = {"dtype": 0, "shape": (), "shard": 0, "offset": 0, "size": 0}
-    for number, _, value in _Cursor(data, f"{where} entry {name!r}").fields():
+    here = f"{where} entry {name!r}"
+    for number, value in _typed(_Cursor(data, here).fields(), here, varints=(1, 3, 4, 5), messages=(2, 7)):
         if number == 1:
             found["dtype"] = value
         elif number == 2:
-            found["shape"] = _shape(value, f"{where} entry {name!r}")
+            found["shape"] = _shape(value, here)
         elif number in (3, 4, 5):
             found[{3: "shard", 4: "offset", 5: "size"}[number]] = value
         elif number == 7:
@@ -193,7 +213,7 @@ def bundle_entries(prefix: str | Path) -> tuple[int, dict[str, BundleEntry]]:
     shards, entries = 1, {}
     for key, value in _table(index, where):
         if key == b"":  # the header: shard count and byte order
-            for number, _, v in _Cursor(value, where).fields():
+            for number, v in _typed(_Cursor(value, where).fields(), where, varints=(1, 2), messages=(3,)):
                 if number == 1:
                     shards = v
                 elif number == 2 and v != 0:
@@ -236,7 +256,10 @@ def read_bundle(prefix: str | Path, names: Iterable[str] | None = None) -> dict[
         if entry.offset + entry.size > len(blob):
             raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} lies past the end of its data file")
         raw = blob[entry.offset:entry.offset + entry.size]
-        out[entry.name] = np.frombuffer(raw, entry.dtype).reshape(entry.shape).astype(entry.dtype.newbyteorder("="))
+        try:
+            out[entry.name] = np.frombuffer(raw, entry.dtype).reshape(entry.shape).astype(entry.dtype.newbyteorder("="))
+        except (ValueError, MemoryError) as e:
+            raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} of shape {list(entry.shape)}: {e}") from None
     return out
 
 

@@ -286,3 +286,28 @@ def test_cli_all_policies(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "MeanStdFilter (n=" in run.stdout
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["alpha", "beta"]
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda p: p.config["model"].update(fcnet_hiddens="sixteen"), "config cannot be rebuilt"),
+    (lambda p: p.config["model"].update(fcnet_activation="Swish"), None),  # RLlib lower-cases it
+    (lambda p: p.config["model"].update(fcnet_activation="getattr"), "not one this package rebuilds"),
+])
+def test_config_values_are_checked(change, message):
+    policy = read_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint").policy()
+    change(policy)
+    if message is None:
+        load_checkpoint_policy(policy)[0].close()
+        return
+    with pytest.raises(ExportError, match=message):
+        load_checkpoint_policy(policy)
+
+
+def test_a_none_activation_is_linear_as_in_rllib():
+    policy = read_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint").policy()
+    tanh, _ = load_checkpoint_policy(policy)
+    policy.config["model"]["fcnet_activation"] = None
+    linear, _ = load_checkpoint_policy(policy)
+    obs = expected_outputs("ppo_filter")["default_policy/obs"]
+    a, b = (p.run(p.observation_feeds(obs))["action_dist_inputs"] for p in (tanh, linear))
+    assert np.abs(a - b).max() > 1e-3

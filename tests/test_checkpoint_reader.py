@@ -231,3 +231,27 @@ def test_a_config_object_is_read_as_its_fields():
     policy = ckpt.read_checkpoint(ROOT / "fixtures/rllib/checkpoints/pg/checkpoint").policy()
     assert policy.policy_class.endswith("PGTF1Policy")  # a class pickled by reference
     assert policy.config["model"]["fcnet_hiddens"] == [16, 8] and policy.config["observation_filter"] == "MeanStdFilter"
+
+
+@pytest.mark.parametrize("data,message", [
+    (pickle.dumps(np.zeros(2, dtype=[("x", "<f8")])), "numpy dtype"),  # fields: offsets numpy does not check
+    (pickle.dumps(np.zeros(2, dtype=object)), "numpy dtype"),
+    # BUILD on a rebuilder: (None, {"__defaults__": (True, False)}) would rewrite the reader itself
+    (b"\x80\x04cnumpy\ndtype\nN}\x8c\x0c__defaults__\x88\x89\x86s\x86b.", "sets the state of function"),
+    (b"\x80\x04cbuiltins\nstr\nC\x01a\x8c\x04idna\x86R.", "not a readable pickle"),  # a decoding imports codecs
+])
+def test_what_a_pickle_may_build_is_checked(data, message):
+    import sys
+
+    before = set(sys.modules)
+    with pytest.raises(UnsafeCheckpointError, match=message):
+        loads(data, "state.pkl")
+    assert not {m for m in set(sys.modules) - before if "idna" in m}
+
+
+def test_plain_arrays_and_dtypes_still_read():
+    for value in (np.arange(6, dtype=np.float32).reshape(2, 3), np.float64(2.5), np.dtype(">i4"),
+                  np.array([b"ab", b"c"]), np.bool_(True)):
+        for protocol in (2, 4, 5):
+            got = loads(pickle.dumps(value, protocol=protocol), "state.pkl")
+            assert type(got) is type(value) and np.array_equal(np.asarray(got), np.asarray(value))

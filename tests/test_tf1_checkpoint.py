@@ -118,9 +118,10 @@ def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
     return body + (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
 
 
-def _index(entries: list[tuple[bytes, bytes]], block_type: int = 0) -> bytes:
-    """A table as TensorFlow writes one: a data block, an empty meta index, an index block, a footer."""
-    data = _block(entries)
+def _index(entries: list[tuple[bytes, bytes]], block_type: int = 0, data: bytes | None = None) -> bytes:
+    """A table as TensorFlow writes one: a data block (``data``, else made of ``entries``), an
+    empty meta index, an index block, a footer."""
+    data = _block(entries) if data is None else data
     out = data + bytes([block_type]) + b"\0" * 4
     meta_at = len(out)
     meta = _block([])
@@ -151,7 +152,8 @@ def test_a_minimal_checkpoint_reads(tmp_path):
 
 
 @pytest.mark.parametrize("entries,block_type,message", [
-    ([(b"w", _entry([1 << 40], 4))], 0, "declares shape"),
+    ([(b"w", _entry([1 << 40], 4))], 0, "too large"),
+    ([(b"w", _entry([1 << 20, 1 << 20], 4))], 0, "declares shape"),
     ([(b"w", _entry([4], 16, offset=8))], 0, "past the end of its data file"),
     ([(b"w", _entry([4], 16, sliced=True))], 0, "sliced"),
     ([(b"w", _entry([4], 16))], 1, "compressed"),
@@ -187,3 +189,19 @@ def test_a_symlinked_data_file_is_not_followed(tmp_path):
         read_bundle(tmp_path / "ck/model")
     _, entries = bundle_entries(tmp_path / "ck/model")  # the index alone still reads
     assert "default_policy/fc_1/kernel" in entries
+
+
+def test_names_that_grow_by_prefix_sharing_are_bounded(tmp_path):
+    # each key shares all of the previous one and adds a byte: tiny on disk, quadratic in memory
+    body = b"".join(_varint(min(i, 5000)) + _varint(1) + _varint(0) + b"a" for i in range(60_000))
+    block = body + (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    (tmp_path / "model.index").write_bytes(_index([], data=block))
+    with pytest.raises(UnsafeCheckpointError, match="at most 4096"):
+        bundle_entries(tmp_path / "model")
+
+
+@pytest.mark.parametrize("entry", [_field(1, b"xx"), _field(2, 5), _field(3, b"x") + _field(1, 1)])
+def test_fields_of_the_wrong_wire_type_are_refused(tmp_path, entry):
+    prefix = _write(tmp_path, [(b"w", entry)])
+    with pytest.raises(UnsafeCheckpointError, match="wire type"):
+        bundle_entries(prefix)

@@ -37,7 +37,7 @@ import numpy as np
 
 from policy_export.errors import ExportError, UnsafeCheckpointError
 from policy_export.exporter.trust import read_regular
-from policy_export.exporter.sources.safe_pickle import Record, loads, msgpack_loads
+from policy_export.exporter.sources.safe_pickle import Record, loads, msgpack_loads, plain_dtype
 
 STATE_LIMIT = 1 << 30  # bytes of one state file
 JSON_LIMIT = 1 << 20
@@ -154,7 +154,10 @@ def _metadata(root: Path, parts: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise UnsafeCheckpointError(f"{where} is not a JSON object")
     kind, fmt, version = meta.get("type"), meta.get("format", "cloudpickle"), str(meta.get("checkpoint_version", ""))
-    if (kind, fmt) not in STATE_FILES:
+    ids = meta.get("policy_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise UnsafeCheckpointError(f"{where}: policy_ids {ids!r:.80} is not a list of names")
+    if not isinstance(kind, str) or not isinstance(fmt, str) or (kind, fmt) not in STATE_FILES:
         raise UnsafeCheckpointError(f"{where}: type {kind!r} / format {fmt!r} is not an RLlib checkpoint this reads "
                                     "(Algorithm or Policy; cloudpickle or msgpack)")
     if version not in VERSIONS:
@@ -184,15 +187,27 @@ def _state(root: Path, parts: tuple[str, ...], meta: dict[str, Any]) -> dict[str
 def _npy(text: Any, where: str) -> np.ndarray:
     """RLlib's ``_serialize_ndarray``: base64(zlib(npy)); read with ``allow_pickle=False``."""
     if isinstance(text, np.ndarray):
+        plain_dtype(text.dtype, where)
         return text
     try:
         raw = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), NPY_LIMIT)
+        _check_npy_header(raw, where)
         array = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, TypeError, zlib.error, OSError) as e:
         raise UnsafeCheckpointError(f"{where}: an array is not RLlib's base64(zlib(npy)) encoding: {e}") from None
     if array.dtype.hasobject:
         raise UnsafeCheckpointError(f"{where}: an array holds Python objects")
     return array
+
+
+def _check_npy_header(raw: bytes, where: str) -> None:
+    """The npy header's declared array fits the bytes after it (before numpy allocates it)."""
+    buf = io.BytesIO(raw)
+    major, _ = np.lib.format.read_magic(buf)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(buf)
+    if np.dtype(dtype).hasobject or int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize > len(raw) - buf.tell():
+        raise UnsafeCheckpointError(f"{where}: an npy array declares shape {shape} of {dtype}, more than its bytes")
 
 
 def space_from_dict(d: Any, where: str) -> gym.Space:
@@ -316,8 +331,28 @@ def policy_from_state(policy_id: str, state: dict[str, Any], where: str) -> Chec
                             filter=connector_filter(state, where))
 
 
+# what malformed checkpoint data can raise while it is interpreted (checked field by field where
+# the reader knows the field; anything it did not foresee ends here, never as a traceback)
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError, MemoryError, OverflowError,
+             AssertionError, OSError, zlib.error)
+
+
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read an RLlib Algorithm or Policy checkpoint directory (see the module docstring)."""
+    """Read an RLlib Algorithm or Policy checkpoint directory (see the module docstring).
+
+    Raises:
+        UnsafeCheckpointError: anything refused or unreadable, naming the file and the reason.
+    """
+    try:
+        return _read_checkpoint(Path(path))
+    except UnsafeCheckpointError:
+        raise
+    except MALFORMED as e:
+        raise UnsafeCheckpointError(f"{path} is not a checkpoint this package reads: {type(e).__name__}: "
+                                    f"{str(e)[:300]}") from None
+
+
+def _read_checkpoint(path: Path) -> Checkpoint:
     root = Path(path)
     if root.is_symlink() or not root.is_dir():
         raise UnsafeCheckpointError(f"{root} is not a checkpoint directory (a real directory, not a link)")

@@ -114,7 +114,7 @@ class _OneLeaf:
 def model_config(policy: CheckpointPolicy) -> dict[str, Any]:
     """The policy's ``model`` config over RLlib's defaults."""
     given = policy.config.get("model") if isinstance(policy.config.get("model"), dict) else {}
-    return {**MODEL_DEFAULTS, **{k: v for k, v in given.items() if v is not None or k not in MODEL_DEFAULTS}}
+    return {**MODEL_DEFAULTS, **given}  # an explicit None stays None (a None activation is linear in RLlib)
 
 
 def network_kind(policy: CheckpointPolicy) -> str:
@@ -450,6 +450,15 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
     """
     if actions not in ACTIONS:
         raise ExportError(f"actions {actions!r}: expected one of {', '.join(ACTIONS)}")
+    try:
+        return _load(policy, use_filter, actions, device)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
+        # a config value of the wrong kind (a size that is not a number, a list that is a string...)
+        raise ExportError(f"policy {policy.policy_id!r} ({policy.policy_class}): its config cannot be rebuilt: "
+                          f"{type(e).__name__}: {str(e)[:300]}") from e
+
+
+def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str | None):
     kind = network_kind(policy)
     space, flatten = observation_space(policy)
     model = model_config(policy)

@@ -31,8 +31,13 @@ import tensorflow as tf
 
 from policy_export.errors import ExportError, WeightsError
 
-ACTIVATIONS = {"tanh": tf.tanh, "relu": tf.nn.relu, "swish": tf.nn.silu, "silu": tf.nn.silu, "elu": tf.nn.elu,
-               "linear": None, None: None}
+# RLlib's get_activation_fn for TF: "linear" or None is linear, else the (lower-cased) tf.nn function
+# of that name: the tf.nn activations, each named here (a name from a file never reaches getattr)
+TF_NN_ACTIVATIONS = {"relu": tf.nn.relu, "relu6": tf.nn.relu6, "tanh": tf.tanh, "elu": tf.nn.elu, "selu": tf.nn.selu,
+                     "sigmoid": tf.sigmoid, "softplus": tf.nn.softplus, "softsign": tf.nn.softsign,
+                     "silu": tf.nn.silu, "swish": tf.nn.silu, "gelu": tf.nn.gelu, "leaky_relu": tf.nn.leaky_relu,
+                     "crelu": tf.nn.crelu, "softmax": tf.nn.softmax, "log_softmax": tf.nn.log_softmax}
+ACTIVATIONS = {**TF_NN_ACTIVATIONS, "linear": None, None: None}
 AUTO_DENSE = "dense"  # Keras's name for an unnamed Dense layer: dense, dense_1, dense_2...
 
 
@@ -104,10 +109,11 @@ def activation_fn(name: Any, where: str):
     Raises:
         ExportError: an activation RLlib's TF models do not know.
     """
-    if name not in ACTIVATIONS:
-        raise ExportError(f"{where}: activation {name!r} is not one of RLlib's "
+    key = name.lower() if isinstance(name, str) else name
+    if key not in ACTIVATIONS:
+        raise ExportError(f"{where}: activation {name!r} is not one this package rebuilds "
                           f"({', '.join(k for k in ACTIVATIONS if k)})")
-    return ACTIVATIONS[name]
+    return ACTIVATIONS[key]
 
 
 def fcnet(x: tf.Tensor, w: NetWeights, model: Mapping[str, Any], num_outputs: int | None,
@@ -174,24 +180,25 @@ def q_values(model_out: tf.Tensor, w: NetWeights, config: Mapping[str, Any], n: 
     """DQN's Q-values for ``n`` actions from the base model's output (``compute_q_values``)."""
     hiddens = [int(h) for h in config.get("hiddens") or []]
     atoms = int(config.get("num_atoms") or 1)
+    dueling = bool(config.get("dueling"))
     unnamed = w.auto_dense()
-    if not hiddens:
-        if atoms > 1 or config.get("dueling"):
-            raise ExportError("a DQN head without 'hiddens' is rebuilt only with num_atoms 1 and dueling off")
-        return model_out
-    out = model_out
-    for i, size in enumerate(hiddens):
-        out = w.dense(out, f"hidden_{i}", size, tf.nn.relu)
-    want = 1 + (len(hiddens) + 1 if config.get("dueling") else 0)
+    want = (1 if hiddens else 0) + (len(hiddens) + 1 if dueling else 0)
     if len(unnamed) != want:
         raise WeightsError(w.where, [f"the DQN head implies {want} unnamed Dense layer(s) (action scores"
-                                     f"{', state-value hiddens and score' if config.get('dueling') else ''}), "
+                                     f"{', state-value hiddens and score' if dueling else ''}), "
                                      f"the checkpoint holds {len(unnamed)}: {', '.join(unnamed) or 'none'}"])
-    scores = w.dense(out, unnamed[0], n * atoms)
+    scores = model_out  # without hiddens the base net's output is the action scores
+    if hiddens:
+        for i, size in enumerate(hiddens):
+            scores = w.dense(scores, f"hidden_{i}", size, tf.nn.relu)
+        scores = w.dense(scores, unnamed[0], n * atoms)
+    if int(scores.shape[-1]) != n * atoms:
+        raise WeightsError(w.where, [f"the DQN action scores have width {int(scores.shape[-1])}, {n} actions x "
+                                     f"{atoms} atoms need {n * atoms}"])
     state_score = None
-    if config.get("dueling"):
+    if dueling:
         state = model_out
-        for layer, size in zip(unnamed[1:-1], hiddens):
+        for layer, size in zip(unnamed[-len(hiddens) - 1:-1], hiddens):
             state = w.dense(state, layer, size, tf.nn.relu)
         state_score = w.dense(state, unnamed[-1], atoms)
     if atoms == 1:
@@ -312,11 +319,6 @@ def visionnet(x: tf.Tensor, w: NetWeights, model: Mapping[str, Any], num_outputs
     return out, tf.squeeze(value, axis=[1, 2])
 
 
-# DDPG's getattr(tf.nn, actor_hidden_activation, tf.nn.relu), for the names tf.nn has
-TF_NN_ACTIVATIONS = {"relu": tf.nn.relu, "relu6": tf.nn.relu6, "tanh": tf.tanh, "elu": tf.nn.elu, "selu": tf.nn.selu,
-                     "sigmoid": tf.sigmoid, "softplus": tf.nn.softplus, "softsign": tf.nn.softsign,
-                     "silu": tf.nn.silu, "swish": tf.nn.silu, "gelu": tf.nn.gelu, "leaky_relu": tf.nn.leaky_relu}
-
 
 def ddpg_actor(model_out: tf.Tensor, w: NetWeights, config: Mapping[str, Any], low: np.ndarray,
                high: np.ndarray, bounded: bool) -> tf.Tensor:
@@ -329,7 +331,7 @@ def ddpg_actor(model_out: tf.Tensor, w: NetWeights, config: Mapping[str, Any], l
     """
     hiddens = [int(h) for h in config.get("actor_hiddens", [256, 256]) or []]
     name = config.get("actor_hidden_activation", "relu")
-    if name not in TF_NN_ACTIVATIONS:
+    if name not in TF_NN_ACTIVATIONS:  # DDPG's getattr(tf.nn, name, tf.nn.relu): case-sensitive
         raise ExportError(f"actor_hidden_activation {name!r}: not one of {', '.join(TF_NN_ACTIVATIONS)}")
     last = model_out
     for i, size in enumerate(hiddens):

@@ -6,8 +6,11 @@ them. :class:`RestrictedUnpickler` resolves every such reference through
 kinds:
 
 - **data rebuilders** (:data:`REBUILDERS`): numpy's array, dtype and scalar rebuilders, wrapped
-  so that no array is allocated beyond what the file's bytes hold, ``collections.OrderedDict``
-  and ``defaultdict`` (with a plain factory), and a few builtin number types;
+  so that no array is allocated beyond what the file's bytes hold and only plain dtypes are made
+  (numbers, booleans, fixed-width strings: no fields, whose offsets numpy's ``__setstate__`` does
+  not check, no subarrays, no objects), ``collections.OrderedDict`` and ``defaultdict`` (with a
+  plain factory), a few builtin number types, and ``_codecs.encode`` for latin1 only (how
+  protocols 0-2 store bytes);
 - **inert records** (:data:`INERT_PREFIXES`): references into RLlib (``ray.``), cloudpickle's
   function builders, gymnasium/gym spaces and ``packaging.version``. They become
   :class:`Record` objects that keep the reference, the arguments and the state they were given;
@@ -15,6 +18,10 @@ kinds:
   ever made. Spaces are rebuilt from a record's fields by :mod:`exporter.sources.checkpoint`;
 - **everything else** is refused with :class:`UnsafeCheckpointError` naming the module, the name and
   the file, before it is resolved.
+
+The BUILD opcode (``__setstate__``, or attributes set on the object) reaches records, arrays
+(with a plain dtype, filled from bytes) and dtypes (byte order only) alone: never a rebuilder,
+whose attributes would otherwise change the reader itself for later loads.
 
 msgpack state (``checkpoint_format="msgpack"``) is decoded with size limits, and its numpy
 extension (``{"nd": ..., "type": ..., "shape": ..., "data": ...}``) is rebuilt here with the
@@ -85,6 +92,21 @@ class _NdarrayType:
         raise UnsafeCheckpointError("a pickle constructs numpy.ndarray directly; only numpy's own rebuilders may")
 
 
+def plain_dtype(dtype: Any, where: str = "a pickle") -> np.dtype:
+    """``dtype`` if it is a plain numeric, boolean or fixed-width string dtype: no fields, no
+    subarray, no objects (a structured dtype's field offsets are not checked by numpy's
+    ``__setstate__``, so one could point outside its array's memory).
+
+    Raises:
+        UnsafeCheckpointError: any other dtype.
+    """
+    dt = dtype if isinstance(dtype, np.dtype) else None
+    if dt is None or dt.fields is not None or dt.subdtype is not None or dt.hasobject or dt.kind not in "biufcSU":
+        raise UnsafeCheckpointError(f"{where} holds a numpy dtype {dtype!r}; only plain numbers, booleans and "
+                                    "fixed-width strings are read")
+    return dt
+
+
 def _reconstruct(subtype, shape, dtype):
     """numpy's ``_reconstruct`` for the empty array a pickled ndarray starts from; its data comes
     from ``__setstate__``, which numpy checks against the shape. A non-empty start (which would
@@ -92,18 +114,38 @@ def _reconstruct(subtype, shape, dtype):
     if subtype is not _NdarrayType or tuple(shape) != (0,):
         raise UnsafeCheckpointError(f"a pickle rebuilds an array of {subtype!r} with shape {shape!r}; only an "
                                "empty numpy.ndarray filled from the file's bytes is read")
-    return np.ndarray((0,), np.dtype(dtype))
+    return np.ndarray((0,), plain_dtype(_named_dtype(dtype)))
 
 
 def _frombuffer(buf, dtype, shape, order):
-    array = np.frombuffer(buf, dtype=np.dtype(dtype))
+    array = np.frombuffer(buf, dtype=plain_dtype(_named_dtype(dtype)))
     return array.reshape(shape, order=order)  # numpy refuses a shape the bytes do not hold
 
 
+def _named_dtype(value: Any) -> Any:
+    """A dtype named by a type string (``"f8"``, ``b"b"``), or ``value`` itself when it already is one."""
+    return np.dtype(value) if isinstance(value, (str, bytes)) else value
+
+
 def _dtype(obj, align=False, copy=False):
-    if isinstance(obj, Record):
-        raise UnsafeCheckpointError(f"a pickle builds a numpy dtype from {obj!r}")
-    return np.dtype(obj, align=align, copy=copy)
+    if not isinstance(obj, (str, bytes)):
+        raise UnsafeCheckpointError(f"a pickle builds a numpy dtype from {obj!r}; only from a type string")
+    return plain_dtype(np.dtype(obj, align=bool(align), copy=bool(copy)))
+
+
+def _str(value: Any = "") -> str:
+    """``builtins.str`` of one string or number (never a decoding, which can import codecs)."""
+    if not isinstance(value, (str, int, float, bool)):
+        raise UnsafeCheckpointError(f"a pickle calls str on {type(value).__name__}")
+    return str(value)
+
+
+def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode(text, "latin1")``: how pickle protocols 0-2 store bytes; no other codec."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise UnsafeCheckpointError(f"a pickle encodes {type(text).__name__} with {encoding!r}; only latin1 text "
+                                    "(pickle's own encoding of bytes) is read")
+    return text.encode("latin1")
 
 
 def _scalar(dtype, data=None):
@@ -112,7 +154,7 @@ def _scalar(dtype, data=None):
     except ImportError:  # pragma: no cover - numpy < 1.26
         from numpy.core.multiarray import scalar  # noqa: PLC0415
 
-    return scalar(dtype, data) if data is not None else scalar(dtype)
+    return scalar(plain_dtype(dtype), data) if data is not None else scalar(plain_dtype(dtype))
 
 
 def _defaultdict(factory=None, *args):
@@ -131,16 +173,45 @@ REBUILDERS = {
     ("builtins", "float"): float,
     ("builtins", "complex"): complex,
     ("builtins", "bool"): bool,
-    ("builtins", "str"): str,
+    ("builtins", "str"): _str,
+    ("_codecs", "encode"): _latin1,
 }
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """A :class:`pickle.Unpickler` whose every global is a rebuilder, a record, or refused."""
+def _check_build(inst: Any, state: Any, where: str) -> None:
+    """What a pickle's BUILD may set the state of: a record; an array from :func:`_reconstruct`
+    (its dtype plain); a dtype (numpy's byte-order state, with no fields or subarray). Anything else,
+    the rebuilders themselves included, is refused."""
+    if isinstance(inst, Record):
+        return
+    if isinstance(inst, np.ndarray) and isinstance(state, tuple) and len(state) in (4, 5):
+        plain_dtype(state[-3], where)
+        if not isinstance(state[-1], (bytes, bytearray)):
+            raise UnsafeCheckpointError(f"{where} fills an array from {type(state[-1]).__name__}, not bytes")
+        return
+    if isinstance(inst, np.dtype) and isinstance(state, tuple) and len(state) >= 5 \
+            and state[2] is None and state[3] is None and state[4] is None:
+        return
+    raise UnsafeCheckpointError(f"{where} sets the state of {type(inst).__name__} {state!r:.80}; only records, "
+                                "plain arrays and plain dtypes take a state")
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """An unpickler whose every global is a rebuilder, a record, or refused, and whose BUILD
+    opcode (``__setstate__``) reaches only what :func:`_check_build` allows. It is the standard
+    library's pure-Python unpickler, so that BUILD can be checked before it runs."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, where: str):
         super().__init__(file)
         self.where = where
+
+    def load_build(self):
+        _check_build(self.stack[-2], self.stack[-1], self.where)
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str):
         if (module, name) in REBUILDERS:
@@ -162,8 +233,7 @@ def loads(data: bytes, where: str) -> Any:
         return RestrictedUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            MemoryError, RecursionError, OverflowError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a malformed pickle raises is "not readable"
         raise UnsafeCheckpointError(f"{where} is not a readable pickle: {type(e).__name__}: {e}") from None
 
 
@@ -176,11 +246,14 @@ def _msgpack_array(obj: dict, where: str):
         return loads(data, f"{where} (an object array)")
     if not isinstance(data, bytes) or not isinstance(type_, (str, bytes)):
         raise UnsafeCheckpointError(f"{where} holds a malformed numpy value")
-    dtype = np.dtype(type_ if isinstance(type_, str) else type_.decode())
-    if dtype.hasobject or dtype.fields is not None and kind != b"V":
-        raise UnsafeCheckpointError(f"{where} holds a numpy value of dtype {dtype}")
+    try:
+        dtype = plain_dtype(np.dtype(type_ if isinstance(type_, str) else type_.decode()), where)
+    except (TypeError, ValueError, UnicodeDecodeError) as e:
+        raise UnsafeCheckpointError(f"{where} holds a numpy value of type {type_!r}: {e}") from None
     if not obj.get(b"nd"):
-        return np.frombuffer(data, dtype=dtype)[0] if len(data) == dtype.itemsize else None
+        if len(data) != dtype.itemsize:
+            raise UnsafeCheckpointError(f"{where} holds a numpy {dtype} scalar of {len(data)} bytes")
+        return np.frombuffer(data, dtype=dtype)[0]
     shape = obj.get(b"shape")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise UnsafeCheckpointError(f"{where} holds an array of shape {shape!r}")
