@@ -75,16 +75,18 @@ def test_tflite_runs_in_litert_with_the_signature_keys(edge_exports):
         _, out = edge_exports(name)
         doc = _manifest(out)
         interpreter = Interpreter(model_path=str(out / "model.tflite"), num_threads=1)
-        signature = interpreter.get_signature_list()["serving_default"]
+        signatures = interpreter.get_signature_list()
+        signature = signatures["serving_default"]
         contract_out = [o["key"] for o in doc["contract"]["outputs"]]
         assert sorted(signature["outputs"]) == sorted(contract_out)
         required = [i["key"] for i in doc["contract"]["inputs"] if i["required"]]
-        assert set(required) | {"explore"} >= set(signature["inputs"]) >= set(required)
+        assert sorted(signature["inputs"]) == sorted(required)  # what the contract calls required, alone
+        assert "explore" in signatures["serving_explore"]["inputs"]  # the second signature samples
         golden_in = dict(np.load(out / "parity" / "inputs.npz"))
         golden_out = dict(np.load(out / "parity" / "outputs.npz"))
         runner = interpreter.get_signature_runner("serving_default")
         feeds = {k: golden_in[k][:64] for k in required}
-        got = runner(**feeds, explore=np.array(False))  # TFLite has no optional inputs: all fed
+        got = runner(**feeds)  # a client feeding the required inputs gets the deterministic policy
         np.testing.assert_array_equal(got["actions_0"], golden_out["actions_0"][:64])
         for key in contract_out:
             if golden_out[key].dtype.kind == "f":

@@ -1,9 +1,12 @@
 """TFLite (float32 and dynamic-range int8): conversion, and the file check the runner uses.
 
-The export's frozen serving graph is wrapped as a ``tf.function`` whose dict inputs and
-outputs are the signature keys (``wrap_function`` + ``prune``), and converted with
-``TFLiteConverter.from_concrete_functions`` with a ``tf.Module`` as the trackable object, so the
-file holds a ``serving_default`` SignatureDef under the same keys. Only builtin ops are allowed
+The export's frozen serving graph is wrapped as ``tf.function``s whose dict inputs and outputs
+are the signature keys (``wrap_function`` + ``prune``), saved as a temporary SavedModel and
+converted with ``TFLiteConverter.from_saved_model``, so the file holds named SignatureDefs under
+the same keys: ``serving_default`` takes the required inputs alone (optional inputs folded to
+their defaults: TFLite has no optional inputs, and a client feeding what the contract calls
+required must get the deterministic policy), and ``serving_explore`` (``serving_all_inputs``
+without an explore input) takes every input. Only builtin ops are allowed
 (``TFLITE_BUILTINS``; no Flex, no custom ops). Seeds of the random ops are zeroed first: TFLite
 prepares an ``IF`` branch again on every invoke, so a seeded ``MULTINOMIAL`` inside the explore
 branch would return the same draw every call. Where the explore branch does not convert with
@@ -27,6 +30,8 @@ from policy_export.errors import ExportError
 log = logging.getLogger(__name__)
 
 SIGNATURE_KEY = "serving_default"
+EXPLORE_SIGNATURE = "serving_explore"
+ALL_INPUTS_SIGNATURE = "serving_all_inputs"
 TFLITE_IDENTIFIER = b"TFL3"
 _COUNTER = itertools.count()
 
@@ -113,22 +118,45 @@ def _concrete_function(graph_def, signature, fix_optional: bool):
     return serving_default.get_concrete_function(), module, sorted(fixed)
 
 
-def convert_tflite(graph_def, signature, *, quantize: bool = False, fix_optional: bool = False) -> tuple[bytes, list[str]]:
-    """The ``.tflite`` bytes of ``graph_def`` (builtin ops only) and the optional inputs fixed to
-    their defaults. ``quantize``: dynamic-range int8 (``Optimize.DEFAULT``, no representative data).
+def full_signature_key(signature) -> str:
+    """The name of the signature that takes every input: ``serving_explore`` where the policy
+    has an ``explore`` input, else ``serving_all_inputs``."""
+    from policy_export.signatures.keys import EXPLORE
+
+    return EXPLORE_SIGNATURE if EXPLORE in signature.inputs else ALL_INPUTS_SIGNATURE
+
+
+def convert_tflite(graph_def, signature, *, quantize: bool = False, with_optional: bool = False) -> tuple[bytes, list[str]]:
+    """The ``.tflite`` bytes of ``graph_def`` (builtin ops only) and the optional inputs that
+    ``serving_default`` fixes to their defaults.
+
+    ``serving_default`` takes the required inputs alone (what the contract promises a client:
+    the optional ones hold their defaults, so it is the deterministic path). ``with_optional``
+    adds a second signature (:func:`full_signature_key`) taking every input, ``explore`` to
+    sample. ``quantize``: dynamic-range int8 (``Optimize.DEFAULT``, no representative data).
 
     Raises:
         ExportError: the converter fails (an op without a builtin kernel, say).
     """
+    import tempfile
+
     import tensorflow as tf
 
     try:
-        function, module, fixed = _concrete_function(strip_seeds(graph_def), signature, fix_optional)
-        converter = tf.lite.TFLiteConverter.from_concrete_functions([function], module)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
-        if quantize:
-            converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        data = converter.convert()
+        stripped = strip_seeds(graph_def)
+        function, module, fixed = _concrete_function(stripped, signature, fix_optional=True)
+        functions = {SIGNATURE_KEY: function}
+        if with_optional and fixed:
+            functions[full_signature_key(signature)] = _concrete_function(stripped, signature, fix_optional=False)[0]
+        for name, fn in functions.items():
+            setattr(module, name, fn)
+        with tempfile.TemporaryDirectory(prefix="policy_export_tflite_") as tmp:
+            tf.saved_model.save(module, tmp, signatures=functions)
+            converter = tf.lite.TFLiteConverter.from_saved_model(tmp, signature_keys=list(functions))
+            converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+            if quantize:
+                converter.optimizations = [tf.lite.Optimize.DEFAULT]
+            data = converter.convert()
     except ExportError:
         raise
     except Exception as e:  # the converter raises ConverterError, ValueError, ...
@@ -157,24 +185,33 @@ def write_tflite(ctx: ExportContext, target: Path, name: str, quantize: bool) ->
     dynamic-range int8 twin (the deterministic path: optional inputs fixed to their defaults)."""
     graph_def = ctx.frozen_graph_def()
     explore_refused = None
+    full = full_signature_key(ctx.signature)
     if quantize:
-        data, fixed = convert_tflite(graph_def, ctx.signature, quantize=True, fix_optional=True)
+        data, fixed = convert_tflite(graph_def, ctx.signature, quantize=True)
     else:
         try:
-            data, fixed = convert_tflite(graph_def, ctx.signature)
+            data, fixed = convert_tflite(graph_def, ctx.signature, with_optional=True)
         except ExportError as e:
             explore_refused = f"sampling is not expressible with TFLite builtin ops ({e})"
             log.warning("%s: %s; writing the deterministic path alone", name, explore_refused)
-            data, fixed = convert_tflite(graph_def, ctx.signature, fix_optional=True)
+            data, fixed = convert_tflite(graph_def, ctx.signature)
     target.write_bytes(data)
     from policy_export.signatures.keys import EXPLORE
 
+    with_full = not quantize and explore_refused is None and bool(fixed)
+    required = [s.key for s in ctx.signature.contract.inputs if s.required]
     details: dict[str, Any] = {
         "signature": SIGNATURE_KEY, "ops": tflite_ops(data), "fixed_inputs": fixed,
+        "signatures": {SIGNATURE_KEY: "the required inputs alone; optional inputs hold their defaults "
+                                      "(deterministic)" + (f"; {full} takes every input" if with_full else "")},
         "quantization": "dynamic-range int8 weights (tensors of 1024 elements or more)" if quantize else "none (float32)",
-        "explores": EXPLORE in ctx.signature.inputs and EXPLORE not in fixed,
+        "explores": EXPLORE in ctx.signature.inputs and with_full,
+        "required_inputs": required,
     }
-    if EXPLORE in ctx.signature.inputs and EXPLORE in fixed:
+    if with_full:
+        details["signatures"][full] = "every input, optional ones included" + (
+            " (explore true samples)" if EXPLORE in ctx.signature.inputs else "")
+    if EXPLORE in ctx.signature.inputs and not with_full:
         details["explore_refused"] = explore_refused or "a lossy format serves the deterministic path alone"
     return FormatRecord(name, (target.name,), details)
 
