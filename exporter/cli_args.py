@@ -127,8 +127,10 @@ def _verify_parser(sub, common) -> None:
 
 def _inspect_parser(sub, common) -> None:
     ins = sub.add_parser("inspect", parents=[common],
-                         help="list the inputs and outputs of an export, a .onnx file or a SavedModel")
-    ins.add_argument("path", metavar="PATH", help="export directory, model.onnx, or SavedModel directory")
+                         help="list the inputs and outputs of an export, a .onnx file or a SavedModel, or the "
+                              "policies of an RLlib checkpoint")
+    ins.add_argument("path", metavar="PATH",
+                     help="export directory, model.onnx, SavedModel directory, or RLlib checkpoint directory")
     ins.add_argument("--signature", default="serving_default", metavar="KEY", help="SavedModel signature")
     ins.add_argument("--tag", default="serve", metavar="TAG", help="SavedModel tag")
     ins.add_argument("--json", action="store_true", help="print JSON instead of a table")

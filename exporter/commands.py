@@ -218,7 +218,10 @@ def cmd_inspect(args, console) -> int:
     from rich.text import Text
 
     from policy_export.exporter.inspection import contract_json
+    from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
 
+    if is_rllib_checkpoint(args.path):
+        return _inspect_checkpoint(args, console)
     kind, contract = _contract(args.path, args)
     if args.json:
         print(contract_json(kind, Path(args.path), contract))
@@ -231,6 +234,48 @@ def cmd_inspect(args, console) -> int:
             need = "required" if s.required else f"default {s.default!r}"
             table.add_row(*(Text(one_line(v)) for v in (side, s.key, s.dtype, s.shape_text(),
                                                           need if side == "input" else "")))
+    console.print(table)
+    return EXIT_OK
+
+
+def _inspect_checkpoint(args, console) -> int:
+    """``inspect CHECKPOINT_DIR``: each policy, its spaces, filter, and what convert would rebuild."""
+    import json
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from policy_export.errors import ExportError
+    from policy_export.exporter.sources.checkpoint import read_checkpoint
+
+    checkpoint = read_checkpoint(args.path)  # the safe reader, before TensorFlow loads
+    _heavy_imports(args)
+    from policy_export.exporter.sources.checkpoint_policy import filter_record, network_kind
+
+    rows = []
+    for policy in checkpoint.policies.values():
+        try:
+            rebuilt = network_kind(policy)
+        except ExportError as e:
+            rebuilt = f"not rebuilt: {e}"
+        rows.append({"policy_id": policy.policy_id, "policy_class": policy.policy_class,
+                     "observation_space": str(policy.original_observation_space or policy.observation_space),
+                     "action_space": str(policy.action_space), "weights": len(policy.weights),
+                     "observation_filter": filter_record(policy.filter), "filter_note": policy.filter_note,
+                     "network": rebuilt})
+    if args.json:
+        print(json.dumps({"kind": "rllib_checkpoint", "type": checkpoint.type, "format": checkpoint.format,
+                          "ray_version": checkpoint.ray_version, "policies": rows}, indent=2))
+        return EXIT_OK
+    table = Table(title=escape(f"{args.path} (RLlib {checkpoint.type} checkpoint, {checkpoint.format}, ray "
+                               f"{checkpoint.ray_version})"), title_justify="left")
+    for column in ("policy id", "class", "observations", "actions", "filter", "network"):
+        table.add_column(column)
+    for r in rows:
+        filt = r["observation_filter"]
+        table.add_row(*(Text(one_line(str(v))) for v in (
+            r["policy_id"], r["policy_class"].rsplit(".", 1)[-1], r["observation_space"], r["action_space"],
+            f"{filt['class']} (n={filt['count']})" if filt else "none", r["network"])))
     console.print(table)
     return EXIT_OK
 

@@ -311,3 +311,19 @@ def test_a_none_activation_is_linear_as_in_rllib():
     obs = expected_outputs("ppo_filter")["default_policy/obs"]
     a, b = (p.run(p.observation_feeds(obs))["action_dist_inputs"] for p in (tanh, linear))
     assert np.abs(a - b).max() > 1e-3
+
+
+def test_inspect_lists_a_checkpoints_policies(tmp_path):
+    run = cli("inspect", str(CHECKPOINTS / "multi_agent/checkpoint"), "--json")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["kind"] == "rllib_checkpoint" and doc["ray_version"] == "2.9.3"
+    by_id = {p["policy_id"]: p for p in doc["policies"]}
+    assert sorted(by_id) == ["alpha", "beta"] and {p["network"] for p in by_id.values()} == {"actor_critic"}
+    assert by_id["alpha"]["observation_filter"]["count"] == case_record("multi_agent")["filters"]["alpha"]["n"]
+    assert by_id["alpha"]["weights"] == 8 and by_id["beta"]["weights"] == 12
+    target = tmp_path / "ck"
+    shutil.copytree(CHECKPOINTS / "policy_cloudpickle/checkpoint", target)
+    (target / "policy_state.pkl").write_bytes(pickle.dumps({"weights": {"w": _Payload(str(tmp_path / "ran"))}}))
+    run = cli("inspect", str(target))
+    assert run.returncode == 2 and "system, which is not on the allowlist" in run.stderr and not (tmp_path / "ran").exists()
