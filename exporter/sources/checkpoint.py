@@ -289,6 +289,11 @@ def worker_filter(algorithm_state: dict[str, Any], policy_id: str, where: str) -
 
 def _weights(state: dict[str, Any], where: str) -> dict[str, np.ndarray]:
     weights = state.get("weights")
+    if isinstance(weights, list):
+        raise UnsafeCheckpointError(
+            f"{where}: the weights are a list without variable names, as a framework('tf2') (eager) policy "
+            "stores them; networks are rebuilt from named weights, which framework('tf') policies store: "
+            "train or restore the policy with framework('tf') and save it again")
     if not isinstance(weights, dict) or not weights:
         raise UnsafeCheckpointError(f"{where} holds no weights")
     out = {}

@@ -11,8 +11,9 @@ kinds:
   not check, no subarrays, no objects), ``collections.OrderedDict`` and ``defaultdict`` (with a
   plain factory), a few builtin number types, and ``_codecs.encode`` for latin1 only (how
   protocols 0-2 store bytes);
-- **inert records** (:data:`INERT_PREFIXES`): references into RLlib (``ray.``), cloudpickle's
-  function builders, gymnasium/gym spaces and ``packaging.version``. They become
+- **inert records** (:data:`INERT_PREFIXES`, :data:`INERT_NAMES`): references into RLlib
+  (``ray.``), cloudpickle's function builders, gymnasium/gym spaces, ``packaging.version``, Keras
+  and TensorFlow (an eager policy's optimizer state) and ``functools.partial``. They become
   :class:`Record` objects that keep the reference, the arguments and the state they were given;
   nothing is imported, a "call" only builds another record, and no function or code object is
   ever made. Spaces are rebuilt from a record's fields by :mod:`exporter.sources.checkpoint`;
@@ -40,10 +41,15 @@ import numpy as np
 
 from policy_export.errors import UnsafeCheckpointError
 
-INERT_PREFIXES = ("ray.", "cloudpickle.", "gymnasium.spaces.", "gym.spaces.", "packaging.version")
+# the optimizer state of a framework("tf2") policy holds Keras's and TensorFlow's own objects
+# (CallableList, ResourceVariable...): records too, never imported
+INERT_PREFIXES = ("ray.", "cloudpickle.", "gymnasium.spaces.", "gym.spaces.", "packaging.version", "keras.",
+                  "tf_keras.", "tensorflow.")
 NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric", "numpy._core.numeric",
                  "numpy")
 DEFAULTDICT_FACTORIES = (int, float, list, dict, set, str)
+# single globals read as inert records too (a framework("tf2") optimizer state wraps callables in them)
+INERT_NAMES = {("functools", "partial")}
 
 
 class Record:
@@ -64,6 +70,16 @@ class Record:
 
     def __call__(self, *args, **kwargs):
         return _record_type(f"{self.ref}()")(*args, **kwargs)
+
+    # a record of a list or dict subclass is filled by pickle's APPENDS / SETITEMS: kept as data
+    def append(self, item):
+        self.__dict__.setdefault("items", []).append(item)
+
+    def extend(self, items):
+        self.__dict__.setdefault("items", []).extend(items)
+
+    def __setitem__(self, key, value):
+        self.__dict__.setdefault("entries", {})[key] = value
 
     def fields(self) -> dict[str, Any]:
         """The record's state as a dict (a ``(dict, slots)`` pair merged), or {}."""
@@ -216,7 +232,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in REBUILDERS:
             return REBUILDERS[(module, name)]
-        if module.startswith(INERT_PREFIXES) or module in {p.rstrip(".") for p in INERT_PREFIXES}:
+        if module.startswith(INERT_PREFIXES) or module in {p.rstrip(".") for p in INERT_PREFIXES} \
+                or (module, name) in INERT_NAMES:
             return _record_type(f"{module}.{name}")
         raise UnsafeCheckpointError(
             f"{self.where} references {module}.{name}, which is not on the allowlist of what a checkpoint "
