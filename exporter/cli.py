@@ -69,6 +69,18 @@ def _interrupted(signum: int | None) -> int:
     return EXIT_INTERRUPTED
 
 
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt an error was raised while handling, if any: TensorFlow's scope managers
+    raise their own error ("Exiting device scope without proper scope nesting") when an interrupt
+    unwinds them, and the interrupt is then only the error's context."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 def _run(args) -> int:
     """Run the command of ``args``; every error becomes its exit code and one line on stderr."""
     from rich.console import Console
@@ -90,6 +102,10 @@ def _run(args) -> int:
             return _interrupted(e.signum if isinstance(e, Interrupted) else None)
         except Exception as e:  # the one place every error is turned into an exit code
             signals.record_only()
+            interrupt = _interrupt_behind(e)
+            if interrupt is not None:  # a context manager that failed while the interrupt unwound it
+                args.progress.close(failed=True)
+                return _interrupted(interrupt.signum if isinstance(interrupt, Interrupted) else None)
             from policy_export.errors import PolicyExportError
 
             args.progress.close(failed=True)  # a live display is cleared: the error line stands alone

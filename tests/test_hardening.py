@@ -812,3 +812,19 @@ def test_the_largest_finite_float_bounds_round_trip_through_json(dtype):
     box = gym.spaces.Box(-top, top, (2,), dtype)
     again = space_from_json(json.loads(json.dumps(space_to_json(box))))
     assert np.array_equal(again.low, box.low) and np.array_equal(again.high, box.high)
+
+
+def test_an_error_raised_while_an_interrupt_unwinds_is_still_an_interrupt(monkeypatch, capsys):
+    # TensorFlow's device scope raises RuntimeError when an interrupt unwinds it mid-export
+    from policy_export.exporter import commands
+    from policy_export.exporter.cli import main
+
+    def interrupted_in_a_scope(args, console):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Exiting device scope without proper scope nesting.") from None
+
+    monkeypatch.setattr(commands, "cmd_inspect", interrupted_in_a_scope)
+    assert main(["inspect", "anything"]) == 130
+    assert "interrupted by SIGINT" in capsys.readouterr().err
