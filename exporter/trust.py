@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from policy_export.exporter.oplist import ALLOWED_OPS
+from policy_export.policy.files import read_regular  # noqa: F401 (re-exported: the readers' one door)
 from policy_export.errors import ExportError, UnsafeModelError  # noqa: F401 (UnsafeModelError: raised here)
 
 log = logging.getLogger(__name__)
@@ -76,20 +77,6 @@ STRING_OVERHEAD = 8
 
 
 # ---------------------------------------------------------------------------------------- reading
-
-
-def read_regular(file: Path, limit: int, error: type[Exception] = ExportError) -> bytes:
-    """The bytes of ``file``, opened without following a symbolic link, if it is a regular file of
-    at most ``limit`` bytes (checked before reading); ``error`` otherwise."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"refusing to read {file}: not a regular file")
-        if info.st_size > limit:
-            raise error(f"refusing to read {file}: {info.st_size} bytes, over {limit} bytes (the "
-                        f"{limit / 2**20:.3g} MiB limit)")
-        return f.read(limit + 1)
 
 
 def read_saved_model(path: str | Path):

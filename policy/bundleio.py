@@ -15,8 +15,6 @@ refused. The entries' CRC32C checksums are not verified.
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -24,6 +22,7 @@ from typing import Iterable
 import numpy as np
 
 from policy_export.errors import UnsafeCheckpointError
+from policy_export.policy.files import read_regular
 
 INDEX_LIMIT = 64 << 20
 DATA_LIMIT = 1 << 30
@@ -39,17 +38,11 @@ DTYPES = {1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 9: "<i8", 10
 
 
 def _read(path: Path, limit: int) -> bytes:
-    """``path``'s bytes: a regular file (a symbolic link is not followed) of at most ``limit``
-    bytes, the size checked before reading."""
+    """``path``'s bytes through :func:`policy.files.read_regular` (no link followed, size checked first)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, limit, UnsafeCheckpointError)
     except OSError as e:
         raise UnsafeCheckpointError(f"cannot read {path}: {e.strerror} (a symbolic link is never followed)") from e
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            raise UnsafeCheckpointError(f"refusing to read {path}: not a regular file of at most {limit} bytes")
-        return f.read(limit + 1)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.errors import ExportError, UnsafeCheckpointError
-from policy_export.exporter.trust import read_regular
+from policy_export.policy.files import read_regular
 from policy_export.exporter.sources.safe_pickle import Record, loads, msgpack_loads, plain_dtype
 
 STATE_LIMIT = 1 << 30  # bytes of one state file
