@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serving_options(parser) -> None:
+    parser.add_argument("--model-name", default=None, metavar="NAME",
+                        help="the model's name on a model server (triton, tf_serving formats; default: the "
+                             "policy's name, with other characters than letters, digits, _ . - made _)")
+    parser.add_argument("--model-version", type=int, default=1, metavar="N",
+                        help="the model version directory of the triton and tf_serving layouts (default 1)")
+
+
 def _export_parser(sub, common) -> None:
     ex = sub.add_parser("export", parents=[common], help="export a policy spec directory to every format and check parity")
     ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
@@ -102,6 +110,7 @@ def _export_parser(sub, common) -> None:
     ex.add_argument("--external-data-threshold", type=int, default=D.DEFAULT_EXTERNAL_DATA_THRESHOLD, metavar="BYTES",
                     help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
                          f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
+    _serving_options(ex)
     _parity_options(ex, D.DEFAULT_SAMPLES)
     _run_timeout_option(ex)
     _partial_option(ex)
@@ -167,6 +176,7 @@ def _convert_parser(sub, common) -> None:
     co.add_argument("--tag", default=None, metavar="TAG", help="SavedModels: the meta graph tag (default serve)")
     _formats_argument(co)
     co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
+    _serving_options(co)
     co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
     co.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
                     help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")

@@ -119,7 +119,8 @@ def cmd_export(args, console) -> int:
                          seed=args.seed, tolerances=_tolerances(args), overwrite=args.overwrite,
                          explore_samples=args.explore_samples, inputs_as_nchw=args.inputs_as_nchw,
                          external_data_threshold=args.external_data_threshold, progress=args.progress,
-                         run_timeout=args.run_timeout, **_behaviour_option(args))
+                         run_timeout=args.run_timeout, model_name=args.model_name,
+                         model_version=args.model_version, **_behaviour_option(args))
     _check_report_paths(args, args.out)
     spec = load_spec(args.spec)  # parsed once: the export builds its policy from this spec
     opts.check_policy(spec.observation_space)
@@ -333,7 +334,8 @@ def cmd_convert(args, console) -> int:
 
     opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
                          explore_samples=args.explore_samples, overwrite=args.overwrite, progress=args.progress,
-                         run_timeout=args.run_timeout)
+                         run_timeout=args.run_timeout, model_name=args.model_name,
+                         model_version=args.model_version)
     from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
 
     if is_rllib_checkpoint(args.saved_model):

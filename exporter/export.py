@@ -27,7 +27,7 @@ from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import DevicePlan, plan_devices
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
-from policy_export.exporter.options import ExportOptions
+from policy_export.exporter.options import ExportOptions, serving_name
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
 from policy_export.exporter.parity import reference, replay
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32_tolerances
@@ -166,7 +166,9 @@ class _Export:
                                                        opts.behaviour)
         self.ctx = ExportContext(policy=policy, signature=self.signature, device=self.device, opset=opts.opset,
                                  inputs_as_nchw=opts.inputs_as_nchw,
-                                 external_data_threshold=opts.external_data_threshold)
+                                 external_data_threshold=opts.external_data_threshold,
+                                 model_name=opts.model_name or serving_name(policy.name),
+                                 model_version=opts.model_version)
         self.timings: dict[str, float] = {}
         self.missing: dict[str, str] = {}
 

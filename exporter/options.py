@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,24 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     if unknown:
         raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
     return tuple(f for f in ALL_FORMATS if f in formats)
+
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+MAX_MODEL_VERSION = 2**63 - 1
+
+
+def check_model_name(name: str) -> None:
+    """Raises InputError unless ``name`` can name a model on a model server and a directory (letters,
+    digits, ``_``, ``.``, ``-``; at most 128; not starting with a separator)."""
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+        raise InputError(f"model name {name!r}: use 1-128 letters, digits, '_', '.' or '-', starting with a "
+                         "letter or digit (it names the model on a model server and its directory)")
+
+
+def serving_name(name: str) -> str:
+    """``name`` (a policy's) made into a legal model name: other characters become ``_``."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", name.strip())[:128].lstrip("_.-")
+    return cleaned or "policy"
 
 
 def check_opset(opset: int) -> None:
@@ -110,6 +129,8 @@ class ExportOptions:
     progress: Progress | None = None
     behaviour: Mapping[str, Mapping[str, float]] | None = None
     run_timeout: float | None = None
+    model_name: str | None = None
+    model_version: int = 1
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -123,6 +144,9 @@ class ExportOptions:
         check_count("stepped_steps", self.stepped_steps, 0, MAX_SAMPLES)
         check_count("external_data_threshold", self.external_data_threshold, 0)
         set_(self, "run_timeout", check_run_timeout(self.run_timeout))
+        if self.model_name is not None:
+            check_model_name(self.model_name)
+        check_count("model_version", self.model_version, 1, MAX_MODEL_VERSION)
         if self.tolerances is not None and not isinstance(self.tolerances, Tolerances):
             raise InputError(f"tolerances must be a Tolerances, got {type(self.tolerances).__name__}")
         set_(self, "budgeted", [])  # the observation spaces whose sample budget these counts passed

@@ -121,6 +121,8 @@ class ExportContext:
     opset: int = DEFAULT_OPSET
     inputs_as_nchw: bool = False
     external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD
+    model_name: str = "policy"  # what model servers call it (Triton, TF Serving): a legal name
+    model_version: int = 1
     _frozen: Any = None
     _cache: dict = field(default_factory=dict)
 

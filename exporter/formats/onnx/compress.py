@@ -12,7 +12,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from policy_export.errors import ExportError
+from policy_export.errors import ConversionError, ExportError
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.onnx.convert import onnx_models
 from policy_export.policy import jsonio
@@ -30,27 +30,48 @@ def deterministic_onnx(ctx: ExportContext, stage: Path):
     Raises:
         ExportError: the policy exposes no deterministic outputs.
     """
-    from policy_export.exporter.formats.onnx import model as onnx_model
-    from policy_export.exporter.compat import import_onnx
     from policy_export.signatures.builder import build_deterministic_signature
 
-    onnx = import_onnx()
     sig = build_deterministic_signature(ctx.policy)
     if sig is None:
         raise ExportError("the policy exposes no deterministic outputs")
-    written = Path(stage) / onnx_model.DETERMINISTIC_FILENAME
+    return _finished(ctx, stage, "deterministic", sig), sig
+
+
+def full_onnx(ctx: ExportContext, stage: Path):
+    """``model.onnx``'s model (every output, the explore branch, optional inputs backed by their
+    defaults), read back from ``stage`` or finished from a copy of the conversion, as
+    :func:`deterministic_onnx` does.
+
+    Raises:
+        ConversionError: the full signature did not convert.
+    """
+    return _finished(ctx, stage, "full", ctx.signature)
+
+
+def _finished(ctx: ExportContext, stage: Path, which: str, sig):
+    from policy_export.exporter.compat import import_onnx
+    from policy_export.exporter.formats.onnx import model as onnx_model
+
+    onnx = import_onnx()
+    filename = onnx_model.DETERMINISTIC_FILENAME if which == "deterministic" else "model.onnx"
+    written = Path(stage) / filename
     if written.is_file():
-        return onnx.load_model(str(written)), sig
+        return onnx.load_model(str(written))
     converted = onnx_models(ctx)
-    if converted.deterministic is None:
-        raise ExportError("the deterministic ONNX model was released before the compressed models were made")
+    source = getattr(converted, which)
+    if source is None:
+        if which == "full" and converted.full_error:
+            raise ConversionError(converted.full_error)
+        raise ExportError(f"the {which} ONNX model was released before the formats made from it were written")
     model = onnx.ModelProto()
-    model.CopyFrom(converted.deterministic)  # weightless: the copy is small; the weights go into the copy
-    converted_copy = type(converted)(None, model, converted.route, converted.nchw, converted.weights,
-                                     converted.session, converted.weight_tensors)
-    model = converted_copy.take("deterministic")
+    model.CopyFrom(source)  # weightless: the copy is small; the weights go into the copy
+    parts = {"full": None, "deterministic": None, which: model}
+    converted_copy = type(converted)(parts["full"], parts["deterministic"], converted.route, converted.nchw,
+                                     converted.weights, converted.session, converted.weight_tensors)
+    model = converted_copy.take(which)
     onnx_model.finish_model(model, sig.contract, ctx.opset, [k for k in converted.nchw if k in sig.contract.input_keys])
-    return model, sig
+    return model
 
 
 def _keep_metadata(source, model) -> None:

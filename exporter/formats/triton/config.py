@@ -1,0 +1,149 @@
+"""``config.pbtxt``: Triton's model configuration (a ``ModelConfig`` text proto) for one ONNX model,
+written from the model's own inputs and outputs so names, data types and dims agree with it.
+
+With ``max_batch_size > 0`` every input and output is batched on its first dimension and ``dims``
+leave it out; a tensor that is ``[batch]`` alone is declared ``dims: [ 1 ]`` with
+``reshape: { shape: [ ] }`` (Triton's way to say "one value per request"), and so is a scalar of a
+model that does not batch. Implicit state (``sequence_batching.state``) replaces the state inputs
+and outputs, which are then not listed as inputs or outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policy_export.errors import ConversionError
+
+# ONNX TensorProto element types -> Triton data types
+TRITON_TYPES = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UINT16", 5: "TYPE_INT16", 6: "TYPE_INT32",
+                7: "TYPE_INT64", 9: "TYPE_BOOL", 10: "TYPE_FP16", 11: "TYPE_FP64", 12: "TYPE_UINT32",
+                13: "TYPE_UINT64", 16: "TYPE_BF16"}
+MAX_SEQUENCE_IDLE_US = 60_000_000
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A model input or output as the config declares it."""
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]  # without the batch dimension when the model batches
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    max_batch_size: int
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    states: tuple[tuple[Tensor, str], ...] = ()  # (state input, its output's name)
+    control_start: str | None = None
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 100
+    version: int = 1
+    notes: Sequence[str] = field(default_factory=tuple)
+
+
+def value_tensor(value_info, batched: bool, optional: bool = False) -> Tensor:
+    """The config entry of an ONNX graph input or output."""
+    t = value_info.type.tensor_type
+    if t.elem_type not in TRITON_TYPES:
+        raise ConversionError(f"{value_info.name!r}: ONNX element type {t.elem_type} has no Triton data type")
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+    if batched:
+        if not dims:
+            raise ConversionError(f"{value_info.name!r} is a scalar; a model that batches needs a batch dimension "
+                                  "on every input and output")
+        if dims[0] not in (-1,):
+            raise ConversionError(f"{value_info.name!r} has a fixed first dimension {dims[0]}; Triton batches on "
+                                  "the first dimension, which must be open")
+        dims = dims[1:]
+    if not dims:
+        return Tensor(value_info.name, TRITON_TYPES[t.elem_type], (1,), (), optional)
+    return Tensor(value_info.name, TRITON_TYPES[t.elem_type], tuple(dims), None, optional)
+
+
+def _dims(values: Iterable[int]) -> str:
+    return "[ " + ", ".join(str(int(v)) for v in values) + " ]"
+
+
+def _tensor_text(t: Tensor) -> list[str]:
+    lines = ["  {", f'    name: "{t.name}"', f"    data_type: {t.data_type}", f"    dims: {_dims(t.dims)}"]
+    if t.reshape is not None:
+        lines.append(f"    reshape: {{ shape: {_dims(t.reshape)} }}")
+    if t.optional:
+        lines.append("    optional: true")
+    lines.append("  }")
+    return lines
+
+
+def _section(key: str, tensors: Sequence[Tensor]) -> list[str]:
+    if not tensors:
+        return []
+    body = []
+    for i, t in enumerate(tensors):
+        part = _tensor_text(t)
+        if i < len(tensors) - 1:
+            part[-1] += ","
+        body += part
+    return [f"{key} [", *body, "]"]
+
+
+def _sequence_text(config: ModelConfig) -> list[str]:
+    lines = ["sequence_batching {", f"  max_sequence_idle_microseconds: {MAX_SEQUENCE_IDLE_US}"]
+    if config.control_start:
+        lines += ["  control_input [", "    {", f'      name: "{config.control_start}"',
+                  "      control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ]", "    }", "  ]"]
+    lines.append("  state [")
+    for i, (state, output) in enumerate(config.states):
+        lines += ["    {", f'      input_name: "{state.name}"', f'      output_name: "{output}"',
+                  f"      data_type: {state.data_type}", f"      dims: {_dims(state.dims)}",
+                  "      initial_state: {", f"        data_type: {state.data_type}", f"        dims: {_dims(state.dims)}",
+                  "        zero_data: true", '        name: "zero"', "      }",
+                  "    }" + ("," if i < len(config.states) - 1 else "")]
+    lines += ["  ]", "}"]
+    return lines
+
+
+def render(config: ModelConfig) -> str:
+    """The ``config.pbtxt`` text of ``config``."""
+    lines = [f"# {note}" for note in config.notes]
+    lines += [f'name: "{config.name}"', 'backend: "onnxruntime"', f"max_batch_size: {config.max_batch_size}"]
+    lines += _section("input", config.inputs) + _section("output", config.outputs)
+    if config.states:
+        lines += _sequence_text(config)
+    elif config.max_batch_size > 0:
+        preferred = f"  preferred_batch_size: {_dims(config.preferred_batch_sizes)}" if config.preferred_batch_sizes else None
+        lines += ["dynamic_batching {", *([preferred] if preferred else []),
+                  f"  max_queue_delay_microseconds: {config.max_queue_delay_us}", "}"]
+    lines += ["instance_group [ { kind: KIND_CPU, count: 1 } ]",
+              f"version_policy: {{ specific: {{ versions: [ {config.version} ] }} }}"]
+    return "\n".join(lines) + "\n"
+
+
+def check_with_triton_schema(text: str, where: str) -> bool:
+    """Parse ``text`` with Triton's own ``ModelConfig`` protobuf schema where ``tritonclient`` is
+    installed; returns whether it was checked.
+
+    Raises:
+        ConversionError: the schema rejects the text.
+    """
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError:
+        return False
+    try:
+        text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise ConversionError(f"{where}: Triton's ModelConfig schema rejects the config: {e}") from e
+    return True
+
+
+def tensors(values, batched: bool, optional: Mapping[str, bool] | None = None, leave_out=()) -> tuple[Tensor, ...]:
+    """Config entries of ONNX value infos, leaving out ``leave_out`` (names)."""
+    optional = optional or {}
+    return tuple(value_tensor(v, batched, optional.get(v.name, False)) for v in values if v.name not in leave_out)

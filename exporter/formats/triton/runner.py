@@ -1,0 +1,81 @@
+"""Run a Triton repository's models in ONNX Runtime the way Triton's ONNX Runtime backend feeds
+them: the batched model unless an optional input is given a value other than its default (then
+the sampling model), ``START`` 0 and the state the caller passes for recurrent models (the server
+would feed back the state it kept), ``seq_lens`` left to the model (one step per sequence)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policy_export.errors import InputError
+from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.exporter.formats.triton.graph import START
+from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import SEQ_LENS
+
+
+class TritonRunner(Runner):
+    """The batched model and (where written) the sampling model of one repository, by contract key."""
+
+    def __init__(self, root: Path, contract: Contract, info: Mapping[str, Any], device):
+        from policy_export.exporter.formats.onnx.model import OnnxRunner
+
+        self.label = f"Triton repository {root}"
+        self.contract = contract
+        models = info.get("models") if isinstance(info.get("models"), dict) else {}
+        if not models:
+            raise InputError(f"{self.label}: the manifest lists no Triton models")
+        self.runners: dict[str, Any] = {}
+        self.batched = self.sampling = None
+        for name, record in models.items():
+            path = _inside(root, record.get("model"))
+            runner = OnnxRunner(path, device, threads=1, contract=None)
+            self.runners[name] = runner
+            if int(record.get("max_batch_size", 0)) > 0:
+                self.batched = runner
+            else:
+                self.sampling = runner
+        if self.batched is None:
+            raise InputError(f"{self.label}: no batched model is listed")
+        self.inputs = {s.key: TensorMeta(s.key, s.dtype, s.shape) for s in contract.inputs}
+        self.outputs = dict(self.batched.outputs)
+        self.optional = {s.key: s for s in contract.inputs if not s.required}
+
+    def _choose(self, feeds: Mapping[str, np.ndarray]):
+        """The sampling model when an optional input is fed a value other than its default."""
+        for key, spec in self.optional.items():
+            if key in feeds and not np.array_equal(feeds[key], np.asarray(spec.default, dtype=spec.dtype)):
+                if self.sampling is None:
+                    raise InputError(f"{self.label}: input {key!r} can only be its default here "
+                                     "(the repository has no sampling model)")
+                return self.sampling
+        return self.batched
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        runner = self._choose(feeds)
+        arrays = {k: v for k, v in feeds.items() if k in runner.inputs}
+        if SEQ_LENS in feeds and not np.all(np.asarray(feeds[SEQ_LENS]) == 1):
+            raise InputError(f"{self.label}: the Triton models take one step per request (seq_lens 1)")
+        if START in runner.inputs:
+            rows = next(v.shape[0] for k, v in feeds.items() if k.startswith("state_in_"))
+            batched_start = len(runner.inputs[START].shape or ()) == 2
+            arrays[START] = np.zeros((rows, 1) if batched_start else (1,), np.int32)
+        out = runner._run(arrays)
+        return {k: v for k, v in out.items() if k in self.contract.output_keys}
+
+    def device_info(self) -> dict[str, Any]:
+        return self.batched.device_info()
+
+    def _close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+
+
+def _inside(root: Path, rel: Any) -> Path:
+    if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts:
+        raise InputError(f"Triton model path {rel!r} is not a path inside {root}")
+    return root / rel
