@@ -209,7 +209,10 @@ def _contract(path: str, args=None):
     """Read a contract; TensorFlow is imported (quietly) only for SavedModels."""
     from policy_export.exporter.inspection import contract_of
 
-    if (Path(path) / "saved_model.pb").is_file():
+    from policy_export.exporter.inspection import serving_layout
+
+    layout = serving_layout(Path(path))
+    if (Path(path) / "saved_model.pb").is_file() or (layout is not None and layout[0] == "tf_serving"):
         _heavy_imports(args)
     return contract_of(path, getattr(args, "signature", "serving_default"), getattr(args, "tag", "serve"))
 

@@ -13,12 +13,21 @@ from policy_export.signatures.contract import Contract, TensorSpec, json_default
 
 
 def contract_of(path: str | Path, signature_key: str = "serving_default", tag: str = "serve") -> tuple[str, Contract]:
-    """``(kind, contract)`` of ``path``: kind is ``export``, ``onnx`` or ``saved_model``.
+    """``(kind, contract)`` of ``path``: kind is ``export``, ``onnx``, ``saved_model``, ``triton``
+    (a Triton model directory, or a repository holding one model: the interface its
+    ``config.pbtxt`` serves) or ``tf_serving`` (a TF Serving model base path: its newest version's
+    SavedModel; or a ``tf_serving/`` directory holding one base path).
 
     Raises:
         ExportError: ``path`` is none of those, or fails its format's checks.
     """
     path = Path(path)
+    layout = serving_layout(path)
+    if layout is not None:
+        kind, where = layout
+        if kind == "triton":
+            return kind, triton_contract(where)
+        return kind, saved_model_contract(where, signature_key, tag)
     if path.is_dir() and (path / manifest.MANIFEST).is_file():
         return "export", Contract.from_json(manifest.read_manifest(path)["contract"])
     if path.is_file() and path.suffix == ".onnx":
@@ -26,6 +35,83 @@ def contract_of(path: str | Path, signature_key: str = "serving_default", tag: s
     if path.is_dir() and (path / "saved_model.pb").is_file():
         return "saved_model", saved_model_contract(path, signature_key, tag)
     raise ExportError(f"{path} is not an export directory, a .onnx file or a SavedModel directory")
+
+
+CONFIG_LIMIT = 1 << 20  # bytes of a config.pbtxt read
+_TRITON_NUMPY = {"TYPE_FP32": "float32", "TYPE_FP64": "float64", "TYPE_FP16": "float16", "TYPE_INT64": "int64",
+                 "TYPE_INT32": "int32", "TYPE_INT16": "int16", "TYPE_INT8": "int8", "TYPE_UINT8": "uint8",
+                 "TYPE_UINT16": "uint16", "TYPE_UINT32": "uint32", "TYPE_UINT64": "uint64", "TYPE_BOOL": "bool"}
+
+
+def _is_version(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and p.name.isdigit()
+
+
+def serving_layout(path: Path) -> tuple[str, Path] | None:
+    """``("triton", model_dir)`` or ``("tf_serving", version_dir)`` when ``path`` is one of those
+    layouts (a directory holding exactly one model of it counts), else ``None``.
+
+    Raises:
+        ExportError: a layout holding several models (name one) or no version.
+    """
+    if not path.is_dir() or (path / manifest.MANIFEST).is_file():
+        return None
+    if (path / "config.pbtxt").is_file():
+        return "triton", path
+    versions = sorted((p for p in path.iterdir() if _is_version(p) and (p / "saved_model.pb").is_file()),
+                      key=lambda p: int(p.name))
+    if versions:
+        return "tf_serving", versions[-1]
+    inner = [p for p in sorted(path.iterdir()) if p.is_dir() and not p.is_symlink()]
+    found = [(p, layout) for p in inner if (layout := _one_level(p)) is not None]
+    if len(found) > 1:
+        raise ExportError(f"{path} holds {len(found)} served models ({', '.join(p.name for p, _ in found)}); "
+                          f"name one, e.g. {found[0][0]}")
+    return found[0][1] if found else None
+
+
+def _one_level(path: Path) -> tuple[str, Path] | None:
+    if (path / "config.pbtxt").is_file():
+        return "triton", path
+    versions = sorted((p for p in path.iterdir() if _is_version(p) and (p / "saved_model.pb").is_file()),
+                      key=lambda p: int(p.name))
+    return ("tf_serving", versions[-1]) if versions else None
+
+
+def triton_contract(model_dir: Path) -> Contract:
+    """The interface a Triton model serves, read from its ``config.pbtxt`` with Triton's own schema:
+    each input and output with the batch dimension (``None``) first when the model batches, the
+    ``reshape`` a client's tensor takes; optional inputs are not required (their default is the
+    model's own). Implicit state and sequence controls are not a client's tensors and are left out.
+
+    Raises:
+        ExportError: tritonclient is not installed, or the file is not a valid ModelConfig.
+    """
+    from policy_export.policy.files import read_regular
+
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise ExportError(f"reading {model_dir / 'config.pbtxt'} needs Triton's schema: pip install "
+                          f"'policy-export[serving]' ({e})") from e
+    raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
+    try:
+        config = text_format.Parse(raw.decode("utf-8"), model_config_pb2.ModelConfig())
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise ExportError(f"{model_dir / 'config.pbtxt'} is not a valid Triton ModelConfig: {e}") from e
+    pb = model_config_pb2
+
+    def spec(io, optional: bool = False) -> TensorSpec:
+        name = pb.DataType.Name(io.data_type)
+        if name not in _TRITON_NUMPY:
+            raise ExportError(f"{model_dir / 'config.pbtxt'}: {io.name!r} has data type {name}, which has no numpy dtype")
+        dims = list(io.reshape.shape) if io.HasField("reshape") else list(io.dims)
+        shape = ((None,) if config.max_batch_size > 0 else ()) + tuple(None if d < 0 else int(d) for d in dims)
+        return TensorSpec(io.name, _TRITON_NUMPY[name], shape, required=not optional)
+
+    return Contract(inputs=tuple(spec(i, i.optional) for i in config.input),
+                    outputs=tuple(spec(o) for o in config.output), method="triton", signature_key=config.name)
 
 
 def onnx_contract(path: Path) -> Contract:

@@ -25,6 +25,7 @@ onnx = import_onnx()
 from onnx import helper, numpy_helper  # noqa: E402
 
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
+from policy_export.exporter.formats.coverage import check_onnx_runtime
 from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.formats.onnx.convert import names_read, onnx_models
@@ -223,6 +224,7 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     converted = onnx_models(ctx)
     model, lazy = converted.take_lazy("full")
     finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
+    check_onnx_runtime(model, "model.onnx")
     details = {
         "opset": ctx.opset, "nodes": len(model.graph.node),
         "optional_inputs": [s.key for s in ctx.signature.contract.inputs if not s.required],
@@ -252,6 +254,7 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
     if unwanted:
         raise ExportError(f"the deterministic model still holds {unwanted}")
     finish_model(model, sig.contract, ctx.opset, [k for k in converted.nchw if k in sig.contract.input_keys])
+    check_onnx_runtime(model, DETERMINISTIC_FILENAME)
     details = {
         "opset": ctx.opset, "nodes": len(model.graph.node), "inputs": sig.contract.input_keys,
         "outputs": sig.contract.output_keys, "nchw_inputs": nchw_inputs(model), "conversion": converted.route,

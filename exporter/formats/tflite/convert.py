@@ -19,13 +19,14 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
-from policy_export.errors import ExportError
+from policy_export.errors import ConversionError, ExportError
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +161,39 @@ def convert_tflite(graph_def, signature, *, quantize: bool = False, with_optiona
     except ExportError:
         raise
     except Exception as e:  # the converter raises ConverterError, ValueError, ...
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ExportError(f"TFLite conversion (builtin ops only) failed: {type(e).__name__}: {first}") from e
+        raise ExportError(f"TFLite conversion (builtin ops only) failed: {type(e).__name__}: {_converter_problem(e)}") from e
     return bytes(data), fixed
+
+
+def _converter_problem(error: Exception) -> str:
+    """The converter's message, first line, with the TensorFlow ops it could not lower (and where
+    they sit, as the converter locates them) named."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    ops = sorted(set(re.findall(r"\btf\.([A-Z]\w*)", text)))
+    places = sorted(set(re.findall(r'loc\((?:fused\[)?"([^"]+)"', text)))[:5]
+    if ops:
+        first += f" (ops LiteRT's builtins lack: {', '.join(ops)}" + (f"; at {', '.join(places)}" if places else "") + ")"
+    return first
+
+
+def check_litert_runs(data: bytes, what: str) -> str:
+    """Load ``data`` in the LiteRT interpreter this machine has and allocate its tensors, which
+    resolves every op against the interpreter's own op resolver; returns the interpreter's origin.
+
+    Raises:
+        ConversionError: the interpreter has no kernel for an op of the model (named, with its version).
+    """
+    from policy_export.exporter.formats.tflite.runner import interpreter_class
+
+    cls, origin = interpreter_class()
+    try:
+        cls(model_content=data).allocate_tensors()
+    except (RuntimeError, ValueError) as e:
+        found = re.findall(r"[Dd]idn't find (?:op|custom op) for (?:builtin opcode )?'?([\w-]+)'?(?: version '?(\d+)'?)?", str(e))
+        named = ", ".join(f"{op} version {v}" if v else op for op, v in found) or str(e).strip().splitlines()[0]
+        raise ConversionError(f"{what}: the LiteRT interpreter ({origin}) cannot run it: no kernel for {named}") from e
+    return origin
 
 
 def tflite_ops(data: bytes) -> list[str]:
@@ -195,6 +226,7 @@ def write_tflite(ctx: ExportContext, target: Path, name: str, quantize: bool) ->
             explore_refused = f"sampling is not expressible with TFLite builtin ops ({e})"
             log.warning("%s: %s; writing the deterministic path alone", name, explore_refused)
             data, fixed = convert_tflite(graph_def, ctx.signature)
+    interpreter = check_litert_runs(data, f"{name} ({target.name})")
     target.write_bytes(data)
     from policy_export.signatures.keys import EXPLORE
 
@@ -207,6 +239,7 @@ def write_tflite(ctx: ExportContext, target: Path, name: str, quantize: bool) ->
         "quantization": "dynamic-range int8 weights (tensors of 1024 elements or more)" if quantize else "none (float32)",
         "explores": EXPLORE in ctx.signature.inputs and with_full,
         "required_inputs": required,
+        "op_coverage": f"every op resolved by the LiteRT interpreter ({interpreter}) before writing",
     }
     if with_full:
         details["signatures"][full] = "every input, optional ones included" + (

@@ -49,7 +49,20 @@ def fold_optional_inputs(model, contract: Contract) -> list[str]:
     folded = [i.name for i in model.graph.input if i.name in optional]
     del model.graph.input[:]
     model.graph.input.extend(keep)
+    read = {name for node in all_nodes(model.graph) for name in node.input}
+    unused = [i for i in model.graph.initializer if i.name in folded and i.name not in read]
+    for init in unused:
+        model.graph.initializer.remove(init)
     return folded
+
+
+def all_nodes(graph):
+    """Every node of ``graph``, its subgraphs' included."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                yield from all_nodes(sub)
 
 
 def make_stepwise(model, contract: Contract, batched: bool) -> None:

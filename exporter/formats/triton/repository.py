@@ -12,7 +12,7 @@ from policy_export.errors import ConversionError
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.triton import config as tc
 from policy_export.exporter.formats.triton.graph import (
-    START, fold_optional_inputs, make_stepwise, state_pairs,
+    START, all_nodes, fold_optional_inputs, make_stepwise, state_pairs,
 )
 from policy_export.signatures.contract import Contract
 
@@ -28,7 +28,7 @@ def write_repository(ctx: ExportContext, target: Path, format_name: str) -> Form
 
     contract = ctx.signature.contract
     full = full_onnx(ctx, target.parent)
-    samples = bool({n.op_type for n in _all_nodes(full.graph)} & RANDOM_OPS) and \
+    samples = bool({n.op_type for n in all_nodes(full.graph)} & RANDOM_OPS) and \
         any(s.key == "explore" for s in contract.inputs)
     models: dict[str, Any] = {}
     files: list[str] = []
@@ -109,12 +109,4 @@ def _copy(model):
     copy = import_onnx().ModelProto()
     copy.CopyFrom(model)
     return copy
-
-
-def _all_nodes(graph):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else list(attr.graphs)):
-                yield from _all_nodes(sub)
 
