@@ -77,7 +77,8 @@ def verify_export(out: str | Path, options: VerifyOptions | None = None, *, mani
     Raises:
         ExportError: ``out`` is not an export.
         InputError: a bad option, a tolerance naming an unknown output, or a candidate whose format
-            is not one of the export's or whose path does not exist.
+            is not one of the export's (unless its runner needs the contract alone, as
+            ``openvino``'s does) or whose path does not exist.
     """
     opts = VerifyOptions.make(options, keywords)
     with run_limit(opts.run_timeout):
@@ -198,7 +199,8 @@ def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[
     if not candidates:
         return {}
     out = replay.check_candidate_paths(candidates)
-    missing = [f for f in out if f not in doc["formats"]]
+    missing = [f for f in out if f not in doc["formats"]
+               and not getattr(registry.get(f), "candidate_without_export", False)]
     if missing:
         raise InputError(f"candidate format(s) {missing} are not formats of the export (it has "
                          f"{', '.join(doc['formats'])}); a candidate stands for one of them")

@@ -19,12 +19,18 @@ def manifest_of(out):
 def test_capabilities_decide_what_each_format_is_checked_for():
     signature = [f.name for f in formats.with_capability("signature")]
     edge = ["tflite", "tflite_int8", "onnx_int8", "onnx_fp16"]
-    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", *edge]
-    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx", "tflite"]
+    serving = ["openvino", "openvino_bf16", "triton", "tf_serving"]
+    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", *edge, *serving]
+    # what may explore; whether one export's file does is its manifest record's (Format.explores)
+    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx", "tflite",
+                                                                     *serving]
     assert [f.name for f in formats.with_capability("onnx")] == ["onnx", "onnx_deterministic"]
     assert [f.name for f in formats.with_capability("reference", ["onnx", "frozen_graph"])] == ["frozen_graph"]
-    assert [f.name for f in formats.with_capability("lossy")] == ["tflite_int8", "onnx_int8", "onnx_fp16"]
-    assert formats.default_names() == tuple(f for f in formats.names() if f not in edge)  # edge formats are opt-in
+    assert [f.name for f in formats.with_capability("lossy")] == ["tflite_int8", "onnx_int8", "onnx_fp16", "openvino_bf16"]
+    # edge formats and serving targets are opt-in
+    assert formats.default_names() == tuple(f for f in formats.names() if f not in edge + serving)
+    assert not formats.get("triton").explores({"explores": False}) and formats.get("triton").explores({"explores": True})
+    assert not formats.get("openvino").explores({"explores": False})
 
 
 @pytest.mark.parametrize("name", ["saved_model", "frozen_graph", "onnx", "onnx_deterministic"])

@@ -28,6 +28,26 @@ from policy_export.errors import InputError
 from policy_export.signatures.contract import Contract
 
 
+def with_defaults(label: str, metas: Mapping[str, "TensorMeta"], feeds: Mapping[str, Any],
+                  defaults: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A contiguous array for each of ``metas`` (key -> TensorMeta) in its dtype: the fed value, else
+    its default (for runtimes whose every input must be fed).
+
+    Raises:
+        InputError: an input without a default is not fed.
+    """
+    arrays = {}
+    for key, meta in metas.items():
+        if key in feeds:
+            value = feeds[key]
+        elif key in defaults:
+            value = defaults[key]
+        else:
+            raise InputError(f"{label}: required input {key!r} is missing")
+        arrays[key] = np.ascontiguousarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None)
+    return arrays
+
+
 class HeadUnavailable(Exception):
     """The action head reads more than the distribution inputs and ``explore``."""
 

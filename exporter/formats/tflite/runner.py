@@ -23,7 +23,7 @@ import numpy as np
 from policy_export.exporter.formats.tflite.convert import (
     ALL_INPUTS_SIGNATURE, EXPLORE_SIGNATURE, SIGNATURE_KEY, check_tflite_file,
 )
-from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.exporter.formats.runner import Runner, TensorMeta, with_defaults
 from policy_export.errors import ExportError, InputError
 from policy_export.signatures.contract import Contract
 
@@ -100,15 +100,7 @@ class TFLiteRunner(Runner):
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         name = self._pick(feeds)
-        arrays = {}
-        for key, meta in self.signature_inputs[name].items():
-            if key in feeds:
-                value = feeds[key]
-            elif key in self.defaults:
-                value = self.defaults[key]
-            else:
-                raise InputError(f"{self.label}: required input {key!r} is missing")
-            arrays[key] = np.ascontiguousarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None)
+        arrays = with_defaults(self.label, self.signature_inputs[name], feeds, self.defaults)
         # the interpreter cannot be told to stop: at the run limit or on a signal its call is left
         # to finish in a background thread (the runner is then never closed or run again)
         signature = self.signatures[name]

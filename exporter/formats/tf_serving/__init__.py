@@ -1,0 +1,52 @@
+"""``tf_serving``: a TF Serving model base path, its ``models.config`` and golden predict requests.
+
+The SavedModel of the ``saved_model`` format (same writer, same ``serving_default`` signature)
+goes to ``tf_serving/<model_name>/<model_version>/``; ``tf_serving/models.config`` serves that
+version from ``/models/<model_name>``, where the tensorflow/serving image looks for models, so
+``tf_serving/<model_name>`` is mounted there (or ``tf_serving/`` at ``/models``, with
+``--model_config_file=/models/models.config``). Every signature must pass TensorFlow's own
+servability check. ``tf_serving/<model_name>/requests/`` holds a golden request and the response
+TF Serving must give, as REST JSON and as serialised ``PredictRequest``/``PredictResponse``
+(:mod:`.golden`). Parity runs on the SavedModel of the version directory, as for ``saved_model``.
+The model name and version come from ``--model-name``/``--model-version``. Opt-in (``--formats``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from policy_export.exporter.formats.base import Capabilities, Format, FormatRecord
+from policy_export.errors import InputError
+
+
+class TFServingFormat(Format):
+    name = "tf_serving"
+    path = "tf_serving"
+    order = 72  # with the other serving targets, after the edge formats
+    is_directory = True
+    capabilities = Capabilities(default=False)
+
+    def write(self, ctx, target: Path) -> FormatRecord:
+        from policy_export.exporter.formats.tf_serving.write import write_tf_serving
+
+        return write_tf_serving(ctx, target, self.name)
+
+    def open(self, path: Path, manifest, device):
+        from policy_export.exporter.formats.tf_runner import TFGraphRunner
+        from policy_export.exporter.formats.tf_serving.layout import Layout
+        from policy_export.signatures.contract import Contract
+
+        info = (manifest.get("formats") or {}).get(self.name) or {}
+        layout = Layout.of(path, info.get("model_name"), info.get("model_version"))
+        return TFGraphRunner.from_saved_model(layout.version_dir, device,
+                                              contract=Contract.from_json(manifest["contract"]))
+
+    def check_candidate(self, path: Path) -> None:
+        from policy_export.exporter.formats.tf_serving.layout import CONFIG_FILE
+
+        if not path.is_dir() or not (path / CONFIG_FILE).is_file():
+            raise InputError(f"candidate {self.name}={path}: not a TF Serving layout (a directory holding "
+                             f"{CONFIG_FILE} and <model_name>/<version>/saved_model.pb)")
+
+
+FORMAT = TFServingFormat()

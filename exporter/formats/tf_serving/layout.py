@@ -1,0 +1,152 @@
+"""Where the ``tf_serving`` format puts things, its ``models.config``, and the servability checks.
+
+::
+
+    tf_serving/
+      models.config                       ModelServerConfig (text proto): the model, its base path, its version
+      <model_name>/                       the model's base path (mounted at /models/<model_name>)
+        <model_version>/                  the SavedModel TF Serving loads: saved_model.pb, variables/
+        requests/                         golden requests and responses (a non-numeric directory: TF Serving ignores it)
+
+TF Serving treats every child of a base path whose name parses as an integer as a version of the
+model and skips every other child, so the ``requests/`` directory beside the version never becomes
+a version, and the version directory holds the SavedModel alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from policy_export.errors import ExportError
+
+CONFIG_FILE = "models.config"
+REQUESTS_DIR = "requests"
+CONTAINER_MODELS = "/models"  # the tensorflow/serving image serves $MODEL_BASE_PATH/$MODEL_NAME, /models/<name>
+MODEL_PLATFORM = "tensorflow"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+MAX_VERSION = 2**63 - 1
+SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "variables"})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The paths of one model in a ``tf_serving/`` directory ``root``."""
+
+    root: Path
+    name: str
+    version: int
+
+    @classmethod
+    def of(cls, root: Path, name, version) -> "Layout":
+        """The layout of model ``name`` at ``version`` under ``root``.
+
+        Raises:
+            ExportError: the name or version cannot name a model on TF Serving (or a directory).
+        """
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ExportError(f"tf_serving: model name {name!r} is not a legal model name (1-128 letters, digits, "
+                              "'_', '.' or '-', starting with a letter or digit)")
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+            raise ExportError(f"tf_serving: model version {version!r} is not an integer from 1 to {MAX_VERSION}")
+        return cls(Path(root), name, version)
+
+    @property
+    def base(self) -> Path:
+        return self.root / self.name
+
+    @property
+    def version_dir(self) -> Path:
+        return self.base / str(self.version)
+
+    @property
+    def requests(self) -> Path:
+        return self.base / REQUESTS_DIR
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def container_base_path(self) -> str:
+        """The base path ``models.config`` names: where a container mounts ``<root>/<name>``."""
+        return f"{CONTAINER_MODELS}/{self.name}"
+
+
+def model_config_text(name: str, base_path: str, version: int) -> str:
+    """A ``tensorflow.serving.ModelServerConfig`` in protobuf text format serving ``version`` of
+    model ``name`` from ``base_path``: exactly what ``text_format.MessageToString`` prints for it
+    (the name and path hold no character that text format escapes)."""
+    return (
+        "model_config_list {\n"
+        "  config {\n"
+        f"    name: \"{name}\"\n"
+        f"    base_path: \"{base_path}\"\n"
+        f"    model_platform: \"{MODEL_PLATFORM}\"\n"
+        "    model_version_policy {\n"
+        "      specific {\n"
+        f"        versions: {version}\n"
+        "      }\n"
+        "    }\n"
+        "  }\n"
+        "}\n"
+    )
+
+
+def write_model_config(layout: Layout) -> Path:
+    """Write ``models.config`` for ``layout`` (base path: the container convention)."""
+    layout.config.write_text(model_config_text(layout.name, layout.container_base_path, layout.version),
+                             encoding="utf-8")
+    return layout.config
+
+
+def check_version_dir(layout: Layout) -> None:
+    """Raises ExportError unless the version directory holds a SavedModel and nothing else."""
+    entries = {p.name for p in layout.version_dir.iterdir()} if layout.version_dir.is_dir() else set()
+    if "saved_model.pb" not in entries or entries - SAVED_MODEL_ENTRIES:
+        raise ExportError(f"tf_serving: {layout.version_dir} must hold a SavedModel alone "
+                          f"(saved_model.pb, variables/); it holds {sorted(entries)}")
+
+
+def is_valid_signature():
+    """TensorFlow's own check that TF Serving can serve a SignatureDef (classify, regress or predict)."""
+    import tensorflow as tf
+
+    check = getattr(tf.compat.v1.saved_model, "is_valid_signature", None)
+    if check is None:  # pragma: no cover - the public v1 name is there in every supported TensorFlow
+        from tensorflow.python.saved_model.signature_def_utils_impl import is_valid_signature as check
+    return check
+
+
+def check_servable(saved_model_dir: Path) -> list[str]:
+    """The servable signature keys of the SavedModel at ``saved_model_dir`` (every one must be).
+
+    Keys starting with ``__`` (TensorFlow's own, such as ``__saved_model_init_op``) are not served
+    and are left out.
+
+    Raises:
+        ExportError: a signature fails TensorFlow's servability check (it is named), or there is
+            no signature at all.
+    """
+    from policy_export.exporter.trust import read_saved_model
+
+    check = is_valid_signature()
+    keys: list[str] = []
+    for meta in read_saved_model(saved_model_dir).meta_graphs:
+        for key, sig in sorted(meta.signature_def.items()):
+            if key.startswith("__"):
+                continue
+            if not check(sig):
+                raise ExportError(f"tf_serving: signature {key!r} of {saved_model_dir} cannot be served by TF "
+                                  f"Serving (method {sig.method_name!r}, {len(sig.inputs)} inputs, "
+                                  f"{len(sig.outputs)} outputs; a predict signature needs inputs and outputs)")
+            keys.append(key)
+    if not keys:
+        raise ExportError(f"tf_serving: {saved_model_dir} has no signature TF Serving could serve")
+    return sorted(set(keys))
+
+
+def files_under(root: Path, top: Path) -> list[str]:
+    """Every regular file below ``top``, relative to ``root``, as POSIX paths (sorted)."""
+    return sorted(p.relative_to(root).as_posix() for p in top.rglob("*") if p.is_file() and not p.is_symlink())
