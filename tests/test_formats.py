@@ -130,3 +130,14 @@ def test_a_new_format_is_one_module(tmp_path, monkeypatch, policies):
     assert verified.passed
     assert any(r.format == "onnx vs frozen_copy" for r in verified.parity.records)
 
+
+
+def test_defaults_filled_in_keep_a_scalar_a_scalar():
+    from policy_export.exporter.formats.runner import TensorMeta, with_defaults
+
+    metas = {"observations": TensorMeta("observations", "float32", (None, 2)), "timestep": TensorMeta("timestep", "int64", ())}
+    arrays = with_defaults("m", metas, {"observations": np.zeros((3, 2), np.float64)}, {"timestep": np.asarray(0)})
+    assert arrays["timestep"].shape == () and arrays["timestep"].dtype == np.int64
+    assert arrays["observations"].dtype == np.float32 and arrays["observations"].flags.c_contiguous
+    with pytest.raises(InputError, match="required input 'observations' is missing"):
+        with_defaults("m", metas, {}, {"timestep": np.asarray(0)})

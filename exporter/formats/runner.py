@@ -44,7 +44,8 @@ def with_defaults(label: str, metas: Mapping[str, "TensorMeta"], feeds: Mapping[
             value = defaults[key]
         else:
             raise InputError(f"{label}: required input {key!r} is missing")
-        arrays[key] = np.ascontiguousarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None)
+        # np.asarray keeps a scalar a scalar (np.ascontiguousarray makes it [1])
+        arrays[key] = np.asarray(value, dtype=np.dtype(meta.dtype) if meta.dtype else None, order="C")
     return arrays
 
 
