@@ -123,7 +123,8 @@ def test_pb_request_and_response_hold_the_json_values(fixture, exported):
     for spec in (request.model_spec, response.model_spec):
         assert (spec.name, spec.version.value, spec.signature_name) == (EXPORTS[fixture], 1, "serving_default")
     contract = result.manifest["contract"]
-    assert set(request.inputs) == set(body["inputs"]) == {s["key"] for s in contract["inputs"]}  # every input
+    # the required inputs alone: the SignatureDef's defaults hold the optional ones
+    assert set(request.inputs) == set(body["inputs"]) == {s["key"] for s in contract["inputs"] if s["required"]}
     for key, proto in request.inputs.items():
         value = tf.make_ndarray(proto)
         assert value.dtype == np.dtype(next(s["dtype"] for s in contract["inputs"] if s["key"] == key))
@@ -146,13 +147,29 @@ def test_json_request_run_through_the_saved_model_gives_the_json_response(fixtur
     contract = result.manifest["contract"]
     dtypes = {s["key"]: s["dtype"] for s in contract["inputs"] + contract["outputs"]}
     tensors = {k: tf.constant(np.asarray(v, dtypes[k])) for k, v in body["inputs"].items()}
+    # as TF Serving's predict path does (saved_model::GetInputValues): inputs the request leaves
+    # out are fed the SignatureDef's defaults; without them it would refuse the request
+    signature = _signature_def(base / "1", body["signature_name"])
+    assert set(signature.inputs) - set(tensors) == set(signature.defaults) == {
+        s["key"] for s in contract["inputs"] if not s["required"]}
+    for key, proto in signature.defaults.items():
+        tensors[key] = tf.constant(tf.make_ndarray(proto))
+        spec = next(s for s in contract["inputs"] if s["key"] == key)
+        assert tf.make_ndarray(proto).tolist() == spec["default"]
     loaded = tf.saved_model.load(str(base / "1"))
     got = loaded.signatures[body["signature_name"]](**tensors)
     expected = _json_tensors(answer, "outputs", [s["key"] for s in contract["outputs"]])
     assert set(got) == set(expected)
     for key, value in got.items():
         np.testing.assert_allclose(value.numpy(), np.asarray(expected[key], dtypes[key]), rtol=0, atol=1e-6)
-    assert body["inputs"]["explore"] is False  # the deterministic action
+    assert "explore" not in body["inputs"]  # left to its default: the deterministic action
+
+
+def _signature_def(saved_model_dir, key):
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel.FromString((saved_model_dir / "saved_model.pb").read_bytes())
+    return proto.meta_graphs[0].signature_def[key]
 
 
 def test_recurrent_request_starts_sequences_from_the_initial_state(exported):

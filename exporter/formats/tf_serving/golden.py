@@ -10,8 +10,9 @@ through the written SavedModel's signature; request and response are written twi
   and ``PredictResponse`` (model spec: name, version, signature name; tensors as ``TensorProto``).
 
 TF Serving refuses a predict request that leaves out a signature input unless the SignatureDef
-carries default values, which a graph-mode SavedModel's does not; so the request feeds every input:
-the optional ones at their defaults, ``explore`` false (the deterministic action), a recurrent
+carries default values; the layout's SavedModel carries them for the optional inputs
+(:func:`.layout.add_signature_defaults`), so the request feeds what a client must, the required
+inputs alone (``explore`` left at false: the deterministic action): the observations, a recurrent
 policy's state at its initial (zero) value with ``seq_lens`` 1 (each row one step of a new
 sequence), and ``prev_action``/``prev_reward`` zero. Floats are written at full precision
 (float32 -> Python float is exact, and JSON keeps it), so the JSON values are the tensors' own.
@@ -29,7 +30,7 @@ import numpy as np
 
 from policy_export.exporter import protowire
 from policy_export.policy.spaces import leaf_dtype, leaves
-from policy_export.signatures.keys import EXPLORE, OBSERVATIONS, SEQ_LENS, is_state_in, state_index
+from policy_export.signatures.keys import OBSERVATIONS, SEQ_LENS, is_state_in, state_index
 
 ROWS = 4
 SEED = 0
@@ -58,7 +59,8 @@ def _sample_leaf(space, rows: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def golden_inputs(policy, contract, rows: int = ROWS, seed: int = SEED) -> dict[str, np.ndarray]:
-    """One value for every signature input (see the module docstring), ``rows`` rows of each batched one."""
+    """One value for every required signature input (see the module docstring), ``rows`` rows of
+    each; the optional ones are left to the SignatureDef's defaults, as a client leaves them."""
     rng = np.random.default_rng(seed)
     feeds = {leaf.key(OBSERVATIONS): _sample_leaf(leaf.space, rows, rng) for leaf in leaves(policy.observation_space)}
     feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
@@ -67,11 +69,9 @@ def golden_inputs(policy, contract, rows: int = ROWS, seed: int = SEED) -> dict[
         dtype = np.dtype(spec.dtype)
         if spec.key in feeds:
             continue
-        if spec.key == EXPLORE:
-            feeds[spec.key] = np.zeros((), dtype)  # false: the deterministic action
-        elif not spec.required:
-            feeds[spec.key] = np.asarray(spec.default, dtype)
-        elif is_state_in(spec.key) and state_index(spec.key) < len(initial):
+        if not spec.required:
+            continue  # the SignatureDef's defaults hold them (explore false: the deterministic action)
+        if is_state_in(spec.key) and state_index(spec.key) < len(initial):
             feeds[spec.key] = np.repeat(np.asarray(initial[state_index(spec.key)], dtype)[None], rows, axis=0)
         elif spec.key == SEQ_LENS:
             feeds[spec.key] = np.ones(rows, dtype)

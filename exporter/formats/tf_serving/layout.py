@@ -147,6 +147,35 @@ def check_servable(saved_model_dir: Path) -> list[str]:
     return sorted(set(keys))
 
 
+def add_signature_defaults(saved_model_dir: Path, contract) -> dict[str, dict]:
+    """Give every signature of the SavedModel at ``saved_model_dir`` ``defaults`` for its optional
+    inputs (the contract's), so that TF Serving accepts a request feeding the required inputs
+    alone: its predict path refuses a request with fewer inputs than the signature unless the
+    SignatureDef lists defaults, and then feeds them (``saved_model::GetInputValues``). They are
+    the values the graph's ``PlaceholderWithDefault`` ops hold, so the outputs are the same.
+    Returns signature key -> input -> default, as written.
+    """
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    path = saved_model_dir / "saved_model.pb"
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString(path.read_bytes())  # written by this export a moment ago
+    optional = {s.key: s for s in contract.inputs if not s.required}
+    written: dict[str, dict] = {}
+    for meta in proto.meta_graphs:
+        for key, sig in meta.signature_def.items():
+            for name in sig.inputs:
+                spec = optional.get(name)
+                if spec is not None:
+                    value = np.asarray(spec.default, np.dtype(spec.dtype))
+                    sig.defaults[name].CopyFrom(tf.make_tensor_proto(value))
+                    written.setdefault(key, {})[name] = value.tolist()
+    path.write_bytes(proto.SerializeToString())
+    return written
+
+
 def files_under(root: Path, top: Path) -> list[str]:
     """Every regular file below ``top``, relative to ``root``, as POSIX paths (sorted)."""
     return sorted(p.relative_to(root).as_posix() for p in top.rglob("*") if p.is_file() and not p.is_symlink())

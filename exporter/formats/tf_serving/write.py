@@ -11,7 +11,7 @@ from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.saved_model import TAG, write_saved_model
 from policy_export.exporter.formats.tf_serving import golden
 from policy_export.exporter.formats.tf_serving.layout import (
-    Layout, check_servable, check_version_dir, files_under, write_model_config,
+    Layout, add_signature_defaults, check_servable, check_version_dir, files_under, write_model_config,
 )
 from policy_export.errors import ExportError
 
@@ -29,6 +29,7 @@ def write_tf_serving(ctx: ExportContext, target: Path, name: str) -> FormatRecor
     layout = Layout.of(target, ctx.model_name, ctx.model_version)
     layout.base.mkdir(parents=True, exist_ok=True)
     write_saved_model(ctx, layout.version_dir)  # the saved_model format's own writer
+    defaults = add_signature_defaults(layout.version_dir, ctx.signature.contract)
     check_version_dir(layout)
     signatures = check_servable(layout.version_dir)
     write_model_config(layout)
@@ -37,6 +38,7 @@ def write_tf_serving(ctx: ExportContext, target: Path, name: str) -> FormatRecor
     requests = golden.write_golden(layout.requests, (layout.name, layout.version, SERVING_KEY), inputs, outputs)
     root = target.parent
     details = _details(layout, root, signatures, requests, inputs)
+    details["signature_defaults"] = defaults
     return FormatRecord(name, tuple(files_under(root, target)), details)
 
 
@@ -45,15 +47,17 @@ def _run_signature(saved_model_dir: Path, ctx: ExportContext,
     """The written SavedModel's ``serving_default`` outputs for ``inputs``, in contract order.
 
     Raises:
-        ExportError: ``inputs`` are not exactly the signature's inputs (TF Serving would refuse them).
+        ExportError: ``inputs`` are not the signature's inputs, less those with a default (TF
+            Serving would refuse them).
     """
     from policy_export.exporter.formats.tf_runner import TFGraphRunner
 
     contract = ctx.signature.contract
     with TFGraphRunner.from_saved_model(saved_model_dir, ctx.device, contract=contract) as runner:
-        missing, extra = set(runner.inputs) - set(inputs), set(inputs) - set(runner.inputs)
+        optional = {s.key for s in contract.inputs if not s.required}
+        missing, extra = set(runner.inputs) - set(inputs) - optional, set(inputs) - set(runner.inputs)
         if missing or extra:
-            raise ExportError(f"tf_serving: the golden request does not feed the signature's inputs exactly "
+            raise ExportError(f"tf_serving: the golden request does not feed the signature's required inputs "
                               f"(missing {sorted(missing)}, extra {sorted(extra)}); TF Serving would refuse it")
         values = runner(inputs)
     return {k: values[k] for k in contract.output_keys if k in values}
@@ -79,7 +83,8 @@ def _details(layout: Layout, root: Path, signatures: list[str], requests: list[P
                           f"tensorflow/serving image serves ({layout.container_base_path}); mount {base} there "
                           "(or the tf_serving directory at /models), or edit base_path to where it lies"},
         "requests": {"signature": "serving_default", "rows": batched[0] if batched else 1, "seed": golden.SEED,
-                     "inputs": sorted(inputs), "explore": False,
+                     "inputs": sorted(inputs),
+                     "explore": "not sent: the signature's default (false), the deterministic action",
                      "rest_request": rel[golden.REQUEST_JSON], "rest_response": rel[golden.RESPONSE_JSON],
                      "grpc_request": rel[golden.REQUEST_PB], "grpc_response": rel[golden.RESPONSE_PB]},
     }
