@@ -286,3 +286,23 @@ def test_a_config_that_is_not_a_model_config_is_an_input_error(tmp_path, capsys)
     (model / "config.pbtxt").write_text('name: "m"\nplatform: 7 7\n')
     assert main(["inspect", str(model)]) == 2
     assert "not a valid Triton ModelConfig" in capsys.readouterr().err
+
+
+def test_when_the_sampling_branch_does_not_convert_the_deterministic_model_is_served(monkeypatch, tmp_path):
+    from policy_export.errors import ConversionError
+    from policy_export.exporter import export_spec
+    from policy_export.exporter.formats.onnx import compress
+
+    def refuse(ctx, stage):
+        raise ConversionError("tf2onnx: no converter for the sampling op")
+
+    monkeypatch.setattr(compress, "full_onnx", refuse)
+    out = tmp_path / "out"
+    result = export_spec(FIXTURES_DIR / "cartpole_lstm", out, device="cpu", samples=50, explore_samples=0,
+                         stepped_steps=10, formats=["saved_model", "triton"])
+    info = result.manifest["formats"]["triton"]
+    assert result.parity.passed and "no converter for the sampling op" in info["explore_refused"]
+    assert list(info["models"]) == ["cartpole_lstm"] and info["explores"] is False
+    assert info["models"]["cartpole_lstm"]["outputs"] == ["actions_0"]
+    checked = {k.split("/")[1] for k in result.manifest["parity"]["max_abs_err"] if k.startswith("triton")}
+    assert checked == {"actions_0", "state_out_0", "state_out_1"}

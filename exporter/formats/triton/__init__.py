@@ -32,5 +32,16 @@ class TritonFormat(Format):
     def explores(self, info) -> bool:
         return bool((info or {}).get("explores"))
 
+    def output_keys(self, contract, info) -> list[str]:
+        """The batched model's outputs and the state it returns (all of the contract's, unless only
+        the deterministic model could be made)."""
+        models = (info or {}).get("models")
+        batched = next((m for m in models.values() if isinstance(m, dict) and m.get("max_batch_size")), None) \
+            if isinstance(models, dict) else None
+        if batched is None or not isinstance(batched.get("outputs"), list):
+            return list(contract.output_keys)
+        served = set(batched["outputs"]) | {o for pair in batched.get("states") or [] for o in pair[1:]}
+        return [k for k in contract.output_keys if k in served]
+
 
 FORMAT = TritonFormat()

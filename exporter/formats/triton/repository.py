@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from policy_export.errors import ConversionError
+from policy_export.errors import ConversionError, ExportError
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.triton import config as tc
 from policy_export.exporter.formats.triton.graph import (
@@ -23,11 +23,19 @@ MODEL_FILE = "model.onnx"
 
 def write_repository(ctx: ExportContext, target: Path, format_name: str) -> FormatRecord:
     """Both models and their configs under ``target`` (the export's ``triton/``)."""
-    from policy_export.exporter.formats.onnx.compress import full_onnx
+    from policy_export.exporter.formats.onnx.compress import deterministic_onnx, full_onnx
     from policy_export.exporter.formats.onnx.model import RANDOM_OPS
 
     contract = ctx.signature.contract
-    full = full_onnx(ctx, target.parent)
+    refused = None
+    try:
+        full = full_onnx(ctx, target.parent)
+    except ConversionError as e:  # the sampling branch did not convert: serve the deterministic model
+        try:
+            full, sig = deterministic_onnx(ctx, target.parent)
+        except ExportError as no_deterministic:
+            raise ConversionError(f"{e}; and {no_deterministic}") from e
+        contract, refused = sig.contract, f"the full signature did not convert to ONNX ({e})"
     samples = bool({n.op_type for n in all_nodes(full.graph)} & RANDOM_OPS) and \
         any(s.key == "explore" for s in contract.inputs)
     models: dict[str, Any] = {}
@@ -41,6 +49,8 @@ def write_repository(ctx: ExportContext, target: Path, format_name: str) -> Form
     details = {"models": models, "recurrent": bool(state_pairs(contract)), "explores": samples,
                "backend": "onnxruntime", "version": ctx.model_version,
                "checked_with_triton_schema": all(m["checked_with_triton_schema"] for m in models.values())}
+    if refused:
+        details["explore_refused"] = refused
     return FormatRecord(format_name, tuple(f"{target.name}/{f}" for f in files), details)
 
 
