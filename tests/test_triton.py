@@ -68,6 +68,12 @@ def _backend_rules(config, pb, session):
     if len(model_inputs) != expected:
         problems.append(f"configuration expects {expected} inputs, model provides {len(model_inputs)}")
     skip = 1 if config.max_batch_size > 0 else 0
+    for io in (*config.input, *config.output):  # core: no empty reshape in a model that does not batch
+        if config.max_batch_size == 0 and io.HasField("reshape") and not io.reshape.shape:
+            problems.append(f"{io.name}: empty reshape in a model that does not batch")
+    for state in config.sequence_batching.state:  # core's sequence batcher: a concrete initial state
+        if any(d < 0 for d in state.initial_state[0].dims) or not state.initial_state[0].name:
+            problems.append(f"state {state.input_name}: initial_state needs fixed dims and a name")
     for io in config.input:
         if io.optional and config.max_batch_size != 0:
             problems.append(f"optional input {io.name} in a model that batches")
@@ -81,7 +87,7 @@ def _backend_rules(config, pb, session):
         if io.name not in outputs:
             problems.append(f"no model output {io.name}")
         else:
-            problems += _compare(io, outputs[io.name], skip, dtype)
+            problems += _compare(io, outputs[io.name], skip, dtype, exact=True)
     for control in config.sequence_batching.control_input:
         arg = model_inputs[control.name]
         if [d if isinstance(d, int) else -1 for d in arg.shape][skip:] != [1]:
@@ -94,7 +100,8 @@ def _backend_rules(config, pb, session):
     return problems
 
 
-def _compare(io, arg, skip: int, dtype) -> list[str]:
+def _compare(io, arg, skip: int, dtype, exact: bool = False) -> list[str]:
+    """The backend's dims check: inputs loosely (-1 in the model takes any size), outputs exactly."""
     name = getattr(io, "name", None) or io.input_name
     if _ORT[arg.type] != dtype(io.data_type):
         return [f"{name}: config {dtype(io.data_type)}, model {arg.type}"]
@@ -104,7 +111,7 @@ def _compare(io, arg, skip: int, dtype) -> list[str]:
     has_reshape = "reshape" in io.DESCRIPTOR.fields_by_name and io.HasField("reshape")
     dims = list(io.reshape.shape) if has_reshape else list(io.dims)
     model = model[skip:]
-    if len(model) != len(dims) or any(m != -1 and m != d for m, d in zip(model, dims)):
+    if len(model) != len(dims) or any(m != d if exact else (m != -1 and m != d) for m, d in zip(model, dims)):
         return [f"{name}: model dims {model} vs config {dims}"]
     return []
 

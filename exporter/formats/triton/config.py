@@ -3,8 +3,10 @@ written from the model's own inputs and outputs so names, data types and dims ag
 
 With ``max_batch_size > 0`` every input and output is batched on its first dimension and ``dims``
 leave it out; a tensor that is ``[batch]`` alone is declared ``dims: [ 1 ]`` with
-``reshape: { shape: [ ] }`` (Triton's way to say "one value per request"), and so is a scalar of a
-model that does not batch. Implicit state (``sequence_batching.state``) replaces the state inputs
+``reshape: { shape: [ ] }`` (Triton's way to say "one value per request"). A scalar of a model that
+does not batch is ``dims: [ 1 ]`` without a reshape: Triton's core refuses an empty reshape in a
+model that does not batch, and its ONNX Runtime backend accepts ``[ 1 ]`` for a scalar model
+input and feeds it as one. Implicit state (``sequence_batching.state``) replaces the state inputs
 and outputs, which are then not listed as inputs or outputs.
 """
 
@@ -61,8 +63,8 @@ def value_tensor(value_info, batched: bool, optional: bool = False) -> Tensor:
             raise ConversionError(f"{value_info.name!r} has a fixed first dimension {dims[0]}; Triton batches on "
                                   "the first dimension, which must be open")
         dims = dims[1:]
-    if not dims:
-        return Tensor(value_info.name, TRITON_TYPES[t.elem_type], (1,), (), optional)
+    if not dims:  # one value per request: [batch] in a model that batches, a scalar in one that does not
+        return Tensor(value_info.name, TRITON_TYPES[t.elem_type], (1,), () if batched else None, optional)
     return Tensor(value_info.name, TRITON_TYPES[t.elem_type], tuple(dims), None, optional)
 
 

@@ -86,7 +86,8 @@ def _config(ctx: ExportContext, name: str, model, contract: Contract, batch: boo
     optional = {i.name: i.name in initialized for i in graph.input}
     one_sequence = bool(pairs) and not batch  # a recurrent model that does not batch: one sequence per request
     inputs = _pin_first(tc.tensors(graph.input, batch, optional, leave_out=state_ins | {START}), one_sequence)
-    outputs = _pin_first(tc.tensors(graph.output, batch, leave_out=state_outs), one_sequence)
+    # outputs as the model declares them: the backend compares output dims exactly (inputs loosely)
+    outputs = tc.tensors(graph.output, batch, leave_out=state_outs)
     by_name = {i.name: i for i in graph.input}
     states = tuple((_pin_first((tc.value_tensor(by_name[i], batch),), one_sequence)[0], o) for i, o in pairs)
     for state, _ in states:
