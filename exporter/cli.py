@@ -95,7 +95,7 @@ def _run(args) -> int:
                      else SILENT)
     with signals_as_interrupts() as signals:  # the session main() holds
         try:
-            return getattr(commands, f"cmd_{args.command}")(args, out)
+            return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args, out)
         except KeyboardInterrupt as e:
             signals.record_only()  # a second signal while reporting is only recorded
             args.progress.close(failed=True)

@@ -83,7 +83,42 @@ def build_parser() -> argparse.ArgumentParser:
     _diff_parser(sub, common)
     _convert_parser(sub, common)
     _rollout_parser(sub, common)
+    _many_parsers(sub, common)
     return parser
+
+
+def _many_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="policies at a time on this machine, each in a process of its own (default: the number of cores)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="run each policy as a Ray task on a running cluster instead ('auto': the cluster this "
+                        "machine is part of); needs the ray extra")
+    p.add_argument("--memory-mb", type=float, default=None, metavar="MB",
+                   help="memory cap per policy: a local process over it is killed and its policy fails; on Ray, "
+                        "the memory each task reserves")
+    p.add_argument("--no-preload", action="store_true",
+                   help="start each local process from scratch (it imports TensorFlow itself) instead of forking "
+                        "it from a process that imported TensorFlow, ONNX Runtime and tf2onnx once")
+    p.add_argument("--samples", type=int, default=None, metavar="N")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--report-json", default=None, metavar="F", help="write the report over every policy as JSON")
+    p.add_argument("--junit", default=None, metavar="F", help="JUnit XML: a test suite per policy, a test case per format and output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _many_parsers(sub, common) -> None:
+    em = sub.add_parser("export-many", parents=[common],
+                        help="export many policies (spec directories, SavedModels, RLlib checkpoints, league files), "
+                             "each in its own process, into ROOT/<name>/")
+    em.add_argument("sources", nargs="+", metavar="SOURCE")
+    em.add_argument("--out", required=True, metavar="ROOT")
+    _formats_argument(em)
+    em.add_argument("--explore-samples", type=int, default=None, metavar="N")
+    em.add_argument("--force", action="store_true", help="export every policy again, also those whose export is current")
+    _many_options(em)
+    vm = sub.add_parser("verify-many", parents=[common], help="verify every export under ROOT, each in its own process")
+    vm.add_argument("root", metavar="ROOT")
+    _many_options(vm)
 
 
 def _serving_options(parser) -> None:

@@ -514,3 +514,66 @@ def _print_rollout(console, report, args) -> None:
                   + ", ".join(f"{f} {report.return_difference(f):+.1f} ({report.relative_return_difference(f):+.2%}"
                               + (f", lossy: at most {report.return_tolerance:.0%}" if f in report.lossy else "") + ")"
                               for f in others))
+
+
+def _many_options(args) -> dict:
+    keys = {"samples": args.samples, "seed": args.seed}
+    if getattr(args, "explore_samples", None) is not None:
+        keys["explore_samples"] = args.explore_samples
+    formats = _formats_option(getattr(args, "formats", None))
+    if formats is not None:
+        keys["formats"] = formats
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def _many_run_options(args) -> dict:
+    from policy_export.errors import InputError
+
+    if args.jobs is not None and args.jobs < 1:
+        raise InputError(f"--jobs {args.jobs}: give at least 1")
+    if args.memory_mb is not None and args.memory_mb <= 0:
+        raise InputError(f"--memory-mb {args.memory_mb:g}: give a positive size")
+    progress = None if not args.quiet else (lambda line: None)
+    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload, progress=progress)
+
+
+def cmd_export_many(args, console) -> int:
+    from policy_export.exporter.many import export_many
+
+    _check_report_paths(args, args.out)
+    result = export_many(args.sources, args.out, force=args.force, **_many_run_options(args), **_many_options(args))
+    return _many_report(args, console, result, f"export-many {args.out}")
+
+
+def cmd_verify_many(args, console) -> int:
+    from policy_export.exporter.many import verify_many
+
+    _check_report_paths(args, args.root)
+    result = verify_many(args.root, **_many_run_options(args), **_many_options(args))
+    return _many_report(args, console, result, f"verify-many {args.root}")
+
+
+def _many_report(args, console, result, title: str) -> int:
+    from policy_export.exporter.many import report
+
+    try:
+        if args.report_json:
+            report.write(args.report_json, report.dumps(result.to_json()))
+        if args.junit:
+            report.write(args.junit, result.junit())
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a", encoding="utf-8") as f:
+                f.write(result.markdown(title))
+    except OSError as e:
+        from policy_export.errors import ExportError
+
+        raise ExportError(f"cannot write a report: {e}") from e
+    console.print(report.table(result.results, escape(title)))
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(report.summary(result.results, result.seconds)["counts"].items()))
+    if not result.passed:
+        console.print(f"{len(result.failed)} of {len(result.results)} policies failed: "
+                      f"{escape(', '.join(result.failed))} ({counts}; {result.seconds:.1f} s)", soft_wrap=True)
+        return EXIT_CHECK_FAILED
+    console.print(f"{len(result.results)} policies: {counts} in {result.seconds:.1f} s")
+    return EXIT_OK

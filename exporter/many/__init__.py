@@ -1,0 +1,149 @@
+"""Many policies at once: ``export-many`` and ``verify-many`` (see :func:`export_many`,
+:func:`verify_many`). Each policy runs in a process of its own, on the local pool
+(:mod:`.local`) or as a Ray task (:mod:`.ray_pool`); the driver never imports TensorFlow. One
+policy's failure never stops the others, and a rerun skips what is current (:mod:`.jobs`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policy_export.exporter.many import report
+from policy_export.exporter.many.jobs import Job, expand, is_current, verify_jobs
+from policy_export.exporter.many.work import skipped
+
+__all__ = ["ManyResult", "export_many", "verify_many"]
+
+
+@dataclass
+class ManyResult:
+    """Every policy's result (``name``, ``status``, ``seconds``, ``peak_rss_mb``, ``max_error``,
+    ``failures``...), in the order the sources named them."""
+
+    root: Path
+    results: list[dict[str, Any]]
+    seconds: float
+    executor: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r["status"] in ("passed", "skipped") for r in self.results)
+
+    @property
+    def failed(self) -> list[str]:
+        return [r["name"] for r in self.results if r["status"] not in ("passed", "skipped")]
+
+    def to_json(self) -> dict[str, Any]:
+        return report.to_json(self.results, self.seconds, {"root": str(self.root), "executor": self.executor})
+
+    def junit(self) -> str:
+        return report.junit(self.results)
+
+    def markdown(self, title: str) -> str:
+        return report.markdown(self.results, title, self.seconds)
+
+
+class Progress:
+    """Progress over the whole run: done, running, failed and an ETA, one plain line per event."""
+
+    def __init__(self, total: int, workers: int, write: Callable[[str], None] | None = None):
+        self.total, self.workers = total, max(1, workers)
+        self.done = self.failed = self.running = 0
+        self.times: list[float] = []
+        self.start = time.perf_counter()
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def eta(self) -> str:
+        left = self.total - self.done
+        if not self.times or not left:
+            return "-"
+        return f"{sum(self.times) / len(self.times) * left / self.workers:.0f} s"
+
+    def started(self, job: Job, attempt: int) -> None:
+        self.running += 1
+        again = f" (attempt {attempt})" if attempt > 1 else ""
+        self.write(f"[{self._counts()}] {job.name}: started{again}")
+
+    def finished(self, result: Mapping[str, Any]) -> None:
+        self.running = max(0, self.running - 1) if result["status"] != "skipped" else self.running
+        self.done += 1
+        if result["status"] not in ("passed", "skipped"):
+            self.failed += 1
+        if result["status"] != "skipped":
+            self.times.append(float(result.get("seconds") or 0))
+        detail = f" in {result.get('seconds', 0):.1f} s" if result["status"] != "skipped" else " (current)"
+        why = f": {result['failures'][0]}" if result.get("failures") else ""
+        self.write(f"[{self._counts()}] {result['name']}: {result['status']}{detail}{why}"[:400])
+
+    def _counts(self) -> str:
+        return (f"{self.done}/{self.total} done, {self.running} running, {self.failed} failed, "
+                f"{time.perf_counter() - self.start:.0f} s, ETA {self.eta()}")
+
+
+def _executor(jobs: int | None, ray: str | None, memory_mb: float | None, preload: bool, log_dir: Path):
+    if ray:
+        from policy_export.exporter.many.ray_pool import RayPool
+
+        return RayPool(ray, memory_mb=memory_mb)
+    from policy_export.exporter.many.local import LocalPool
+
+    return LocalPool(jobs or os.cpu_count() or 1, memory_mb=memory_mb, preload=preload, log_dir=str(log_dir))
+
+
+def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping[str, dict], opts: Mapping[str, Any],
+         write: Callable[[str], None] | None) -> ManyResult:
+    start = time.perf_counter()
+    from policy_export.exporter.many.jobs import STATE_DIR
+
+    pool = _executor(opts.get("jobs"), opts.get("ray"), opts.get("memory_mb"), opts.get("preload", True),
+                     root / STATE_DIR / "logs")
+    progress = Progress(len(all_jobs), getattr(pool, "jobs", 1), write)
+    results = dict(done)
+    for result in done.values():
+        progress.finished(result)
+
+    def finished(result: dict) -> None:
+        results[result["name"]] = result
+        progress.finished(result)
+
+    if todo:
+        pool.run(todo, progress.started, finished)
+    ordered = [results[j.name] for j in all_jobs if j.name in results]
+    return ManyResult(root, ordered, time.perf_counter() - start, getattr(pool, "describe", lambda: {})())
+
+
+def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | None = None, ray: str | None = None,
+                force: bool = False, memory_mb: float | None = None,
+                progress: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
+    """Export every policy of ``sources`` (spec directories, SavedModels, RLlib checkpoints, league
+    files; see :mod:`.jobs`) into ``root/<name>/``, each in a process of its own, ``jobs`` at a
+    time (default: the number of cores) or as Ray tasks (``ray``: ``"auto"`` or a cluster address).
+    ``options`` are the single commands' (``formats``, ``samples``...); a league entry's own win.
+    A policy whose export is current is skipped unless ``force``. ``memory_mb`` caps each policy's
+    process. ``progress`` receives one line per event (default: stderr). ``preload=False`` starts
+    each local process from scratch instead of forking it from a process that imported the runtimes.
+
+    Raises:
+        InputError: a bad source, league file or option (before anything runs).
+    """
+    preload = options.pop("preload", True)
+    root = Path(root).absolute()
+    all_jobs = expand(sources, root, options)
+    root.mkdir(parents=True, exist_ok=True)
+    done = {} if force else {j.name: skipped(j) for j in all_jobs if is_current(j)}
+    todo = [j for j in all_jobs if j.name not in done]
+    return _run(all_jobs, root, todo, done, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload), progress)
+
+
+def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = None, memory_mb: float | None = None,
+                preload: bool = True, progress: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
+    """Verify every export under ``root`` (``root/<name>/manifest.json``), each in a process of its
+    own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...)."""
+    root = Path(root).absolute()
+    all_jobs = verify_jobs(root, options)
+    return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload), progress)

@@ -1,0 +1,199 @@
+"""The Ray executor: each policy is one Ray task on an existing Ray cluster (``--ray auto`` or
+``--ray ADDRESS``), in a fresh worker process of its own.
+
+Each task runs in a Ray worker process that exits when its policy is done (``max_calls=1``), so
+no TensorFlow graph, session, memory or thread pool is shared between two policies, as with the
+local pool. A task whose worker process or node dies (killed, out of memory, node lost) is
+submitted again, up to ``retries`` more times, each time in a new process; its result records
+``attempts``. A policy's own problem is never retried: it comes back as a failed result. A task
+that still dies after its retries becomes an ``error`` result naming why; one policy never stops
+the others. Ctrl-C in the driver cancels every task still pending or running.
+
+Where the exports go: each worker writes ``ROOT/<name>/`` (and the record that makes a rerun skip
+it, ``ROOT/.policy-export-many/``) itself, on the node that runs it. Supported are a single
+machine (a local Ray cluster), or a cluster whose nodes all see ROOT and the sources at the same
+path on a shared file system (NFS, Lustre, a mounted volume...). Not supported: nodes without a
+shared file system; their exports would be scattered over the nodes' own disks.
+
+Resources: ``cpus`` is each task's ``num_cpus`` (how many policies run at once on a node) and
+``memory_mb`` its ``memory`` reservation; Ray schedules by the reservation (it never starts more
+tasks on a node than the node's memory holds), and its memory monitor kills a worker when the node
+runs out of memory. Workers' output (TensorFlow's logging) goes to Ray's log files on each node
+(``/tmp/ray/session_latest/logs``), not to the driver's terminal.
+
+The driver imports Ray and the package's light modules only, never TensorFlow. Works with Ray
+2.9 and later.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from policy_export.errors import InputError
+from policy_export.exporter.many.jobs import Job
+from policy_export.exporter.many.work import ERROR
+
+TASK_NAME = "policy_export_job"  # the task's process title while it runs is ray::policy_export_job
+WAIT = 1.0  # seconds per wait for a finished task (Ctrl-C is seen between waits)
+CONNECT_TIMEOUT = 5.0  # seconds to reach a HOST:PORT address before ray.init
+START_HINT = ("start one with `ray start --head` (on this machine: `ray start --head --node-ip-address=127.0.0.1`), "
+              "or give its address with --ray HOST:PORT (or RAY_ADDRESS)")
+
+
+def policy_export_job(job_json: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs in a Ray worker
+    """One policy, in the Ray worker process: its libraries imported quietly, then the job run."""
+    from policy_export.exporter.many.work import run_job
+    from policy_export.exporter.quiet import quiet_libraries
+
+    quiet_libraries()
+    result = run_job(job_json)
+    result["host"] = socket.gethostname()
+    result["node_id"] = ray.get_runtime_context().get_node_id()
+    return result
+
+
+# a worker's death, not the policy's own problem: the task is submitted again
+SYSTEM_ERRORS = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.OutOfMemoryError,
+                 ray.exceptions.ObjectLostError, ray.exceptions.LocalRayletDiedError)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a ``HOST:PORT`` nothing listens at (``ray.init`` would wait a long time)."""
+    if address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
+            return
+    except ValueError:
+        raise InputError(f"--ray {address!r}: expected auto or HOST:PORT (the head node's GCS port, 6379 by default)")
+    except OSError as e:
+        raise InputError(f"no Ray cluster at {address} ({e.strerror or e}); {START_HINT}") from None
+
+
+def connect(address: str) -> bool:
+    """Connect this process to the Ray cluster at ``address``; whether this call connected it
+    (``False``: it already was).
+
+    Raises:
+        InputError: no cluster runs there (the message says how to start one).
+    """
+    if ray.is_initialized():
+        return False
+    _check_reachable(address)
+    kwargs: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
+    if "://" not in address:
+        kwargs["include_dashboard"] = False
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as e:
+        raise InputError(f"no Ray cluster to connect to at {address!r} ({e}); {START_HINT}") from None
+    return True
+
+
+def _error_result(job: Job, why: str, started: float, attempts: int) -> dict[str, Any]:
+    return {"name": job.name, "kind": job.kind, "status": ERROR, "seconds": round(time.perf_counter() - started, 3),
+            "peak_rss_mb": None, "pid": None, "max_error": None, "failures": [why], "attempts": attempts}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:600]
+
+
+class RayPool:
+    """Runs jobs as Ray tasks on the cluster at ``address`` (``"auto"``: the one this machine
+    belongs to, or ``RAY_ADDRESS``); ``on_start(job, attempt)`` and ``on_result(result)`` are
+    called in the driver as tasks are submitted and finish.
+
+    Raises:
+        InputError: no Ray cluster runs at ``address``, or a bad ``cpus``/``memory_mb``/``retries``.
+    """
+
+    def __init__(self, address: str, memory_mb: float | None = None, cpus: float = 1, retries: int = 3):
+        if cpus <= 0 or (memory_mb is not None and memory_mb <= 0) or retries < 0:
+            raise InputError(f"Ray tasks need cpus > 0, memory_mb > 0 and retries >= 0 (got {cpus}, {memory_mb}, "
+                             f"{retries})")
+        self.address, self.cpus, self.memory_mb, self.retries = address or "auto", cpus, memory_mb, retries
+        self.owned = connect(self.address)
+        self.resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+        self.nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        self.jobs = max(1, int(self.resources.get("CPU", 0) / cpus))
+        options: dict[str, Any] = dict(num_cpus=cpus, max_retries=0, retry_exceptions=False, max_calls=1)
+        if memory_mb:
+            options["memory"] = int(memory_mb * 2**20)
+        self.options = options
+        self.task = ray.remote(**options)(policy_export_job)
+
+    def describe(self) -> dict[str, Any]:
+        """What ran the jobs, as plain values for the run's report."""
+        memory = self.resources.get("memory")
+        return {"executor": "ray", "ray_version": ray.__version__, "address": self.address, "nodes": self.nodes,
+                "cluster": {"cpus": self.resources.get("CPU", 0.0), "gpus": self.resources.get("GPU", 0.0),
+                            "memory_mb": round(memory / 2**20) if memory else None},
+                "task": {"num_cpus": self.cpus, "memory_mb": self.memory_mb, "max_calls": 1},
+                "retries": self.retries, "parallel": self.jobs}
+
+    def run(self, jobs: Sequence[Job], on_start: Callable, on_result: Callable) -> None:
+        """Run every job; returns when each has a result (passed, failed or error)."""
+        pending: dict[Any, tuple[Job, int, float]] = {}
+        try:
+            for job in jobs:
+                self._submit(pending, job, 1, on_start)
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT)
+                for ref in ready:
+                    job, attempt, started = pending.pop(ref)
+                    result = self._collect(ref, job, attempt, started)
+                    if result is None:
+                        self._submit(pending, job, attempt + 1, on_start)
+                    else:
+                        on_result(result)
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            self.close()
+
+    def _submit(self, pending: dict, job: Job, attempt: int, on_start: Callable) -> None:
+        pending[self.task.remote(job.to_json())] = (job, attempt, time.perf_counter())
+        on_start(job, attempt)
+
+    def _collect(self, ref, job: Job, attempt: int, started: float) -> dict[str, Any] | None:
+        """The task's result, an error result, or ``None`` to submit it again."""
+        try:
+            result = ray.get(ref)
+        except SYSTEM_ERRORS as e:
+            if attempt <= self.retries:
+                return None
+            return _error_result(job, f"the policy's Ray worker died {attempt} time(s), the last: {_first_line(e)}",
+                                 started, attempt)
+        except ray.exceptions.TaskCancelledError as e:
+            return _error_result(job, f"the policy's Ray task was cancelled: {_first_line(e)}", started, attempt)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            return _error_result(job, f"the policy's Ray task raised {_first_line(cause)}", started, attempt)
+        except ray.exceptions.RayError as e:
+            if attempt <= self.retries:
+                return None
+            return _error_result(job, f"Ray could not run the policy's task: {_first_line(e)}", started, attempt)
+        return {**result, "attempts": attempt}
+
+    def close(self) -> None:
+        """Disconnect from the cluster if this pool connected (the cluster keeps running)."""
+        if self.owned:
+            self.owned = False
+            ray.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit Ray may be gone already
+            pass

@@ -1,0 +1,125 @@
+"""One report over many policies: JSON, JUnit (a test suite per policy, a test case per format and
+output), a Markdown summary, and a terminal table."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SHOWN_FAILURES = 3
+
+
+def summary(results: Sequence[Mapping[str, Any]], seconds: float) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    failed = [r["name"] for r in results if r["status"] not in ("passed", "skipped")]
+    return {"policies": len(results), "counts": counts, "failed": failed, "seconds": round(seconds, 3),
+            "passed": not failed}
+
+
+def to_json(results: Sequence[Mapping[str, Any]], seconds: float, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The report as JSON: the summary and each policy's result (its JUnit text left out)."""
+    return {**dict(extra), "summary": summary(results, seconds),
+            "policies": [{k: v for k, v in r.items() if k not in ("junit", "traceback")} for r in results]}
+
+
+def _suite_of(result: Mapping[str, Any]) -> ET.Element:
+    """The policy's test suite: its own JUnit cases where it ran, else one case saying what happened."""
+    text = result.get("junit")
+    if isinstance(text, str):
+        parsed = ET.fromstring(text)  # written by this package's worker
+        suite = parsed.find("testsuite")
+        if suite is not None:
+            suite.set("name", result["name"])
+            suite.set("time", str(result.get("seconds", 0)))
+            if result["status"] != "passed" and result.get("failures") and not suite.findall("testcase/failure"):
+                _case(suite, result, "run")
+            return suite
+    suite = ET.Element("testsuite", name=result["name"], time=str(result.get("seconds", 0)))
+    _case(suite, result, "skipped" if result["status"] == "skipped" else "run")
+    return suite
+
+
+def _case(suite: ET.Element, result: Mapping[str, Any], name: str) -> None:
+    case = ET.SubElement(suite, "testcase", classname=f"{result['name']}.policy", name=name, time="0")
+    if result["status"] == "skipped":
+        ET.SubElement(case, "skipped", message=str(result.get("note", "current")))
+    elif result["status"] != "passed":
+        message = "; ".join(result.get("failures") or [result["status"]])
+        ET.SubElement(case, "failure", message=message, type=result["status"]).text = message
+
+
+def junit(results: Sequence[Mapping[str, Any]]) -> str:
+    root = ET.Element("testsuites")
+    tests = failures = 0
+    for result in results:
+        suite = _suite_of(result)
+        cases = suite.findall("testcase")
+        failed = sum(1 for c in cases if c.find("failure") is not None)
+        suite.set("tests", str(len(cases)))
+        suite.set("failures", str(failed))
+        suite.set("skipped", str(sum(1 for c in cases if c.find("skipped") is not None)))
+        tests, failures = tests + len(cases), failures + failed
+        root.append(suite)
+    root.set("tests", str(tests))
+    root.set("failures", str(failures))
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _err(value: Any) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _mem(value: Any) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _what(result: Mapping[str, Any]) -> str:
+    failures = result.get("failures") or []
+    shown = "; ".join(str(f) for f in failures[:SHOWN_FAILURES])
+    return shown + (f" (+{len(failures) - SHOWN_FAILURES} more)" if len(failures) > SHOWN_FAILURES else "")
+
+
+def rows(results: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
+    """Per policy: name, status, seconds, peak MiB, largest parity error, what failed."""
+    return [(r["name"], r["status"], f"{r.get('seconds') or 0:.1f}", _mem(r.get("peak_rss_mb")),
+             _err(r.get("max_error")), _what(r)) for r in results]
+
+
+HEADERS = ("policy", "status", "time s", "peak MiB", "max parity err", "what failed")
+
+
+def markdown(results: Sequence[Mapping[str, Any]], title: str, seconds: float) -> str:
+    s = summary(results, seconds)
+    status = "passed" if s["passed"] else f"FAILED ({', '.join(s['failed'])})"
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(s["counts"].items()))
+    lines = [f"### {title}: {status}", "", f"{s['policies']} policies ({counts}) in {seconds:.1f} s", "",
+             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def table(results: Sequence[Mapping[str, Any]], title: str):
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=title, title_justify="left")
+    for h in HEADERS:
+        t.add_column(h, overflow="fold")
+    for row in rows(results):
+        t.add_row(*(Text(c) for c in row))
+    return t
+
+
+def write(path, text: str) -> None:
+    from pathlib import Path
+
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def dumps(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, indent=2) + "\n"

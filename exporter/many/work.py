@@ -1,0 +1,85 @@
+"""One job, run in a worker process of its own (never in the driver): export or verify one policy
+with the single commands' Python API, and report what happened as plain values."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from policy_export.exporter.many.jobs import Job, record_done
+
+PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+
+
+def _max_error(report) -> float | None:
+    values = [r.max_abs_err for r in report.records if r.max_abs_err is not None]
+    return max(values) if values else None
+
+
+def _run_export(job: Job):
+    from policy_export.exporter.api import export_spec
+    from policy_export.exporter.convert import convert_checkpoint, convert_saved_model
+
+    options = dict(job.options)
+    options.setdefault("overwrite", True)
+    if job.kind == "spec":
+        options.pop("use_filter", None), options.pop("actions", None)
+        return export_spec(job.source, job.out, **options)
+    if job.kind == "checkpoint":
+        return convert_checkpoint(job.source, job.out, policy_id=job.policy_id, **options)
+    options.pop("use_filter", None), options.pop("actions", None)
+    return convert_saved_model(job.source, job.out, **options)
+
+
+def _outcome(job: Job) -> dict[str, Any]:
+    """Run the job; its status, the parity report's figures and what failed."""
+    from policy_export.exporter.reports import junit_xml
+
+    if job.kind == "verify":
+        from policy_export.exporter.verify import verify_export
+
+        result = verify_export(job.out, **job.options)
+        report, problems = result.parity, list(result.file_problems)
+        passed = result.passed
+    else:
+        result = _run_export(job)
+        report, problems = result.parity, [f"{k}: not written: {v}" for k, v in result.missing.items()]
+        passed = report.passed and not problems
+    failures = problems + [r.describe() for r in report.failures()] + [f"{k}: {v}" for k, v in report.errors.items()]
+    return {"status": PASSED if passed and not failures else FAILED, "failures": failures,
+            "max_error": _max_error(report), "formats": sorted({r.format.split(" ")[0] for r in report.records}),
+            "junit": junit_xml(report, job.name, problems if job.kind == "verify" else ())}
+
+
+def run_job(job_json: Mapping[str, Any]) -> dict[str, Any]:
+    """Run one job (its :meth:`Job.to_json`) and return its result: ``name``, ``status``
+    (passed, failed, error), ``seconds``, ``peak_rss_mb`` (this process's), ``max_error``, ``failures``,
+    ``junit`` (the policy's test suite) and ``pid``. Never raises for a policy's own problem."""
+    from policy_export.errors import PolicyExportError
+
+    job = Job.from_json(job_json)
+    start = time.perf_counter()
+    try:
+        outcome = _outcome(job)
+    except PolicyExportError as e:
+        outcome = {"status": FAILED, "failures": [f"{type(e).__name__}: {e}"]}
+    except Exception as e:  # noqa: BLE001 - one policy's bug must not stop the others
+        outcome = {"status": ERROR, "failures": [f"internal error: {type(e).__name__}: {e}"],
+                   "traceback": traceback.format_exc(limit=20)}
+    result = {"name": job.name, "kind": job.kind, "seconds": round(time.perf_counter() - start, 3),
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              "pid": os.getpid(), "max_error": None, "failures": [], **outcome}
+    if job.kind != "verify" and result["status"] == PASSED:
+        record_done(job, result)
+    return result
+
+
+def skipped(job: Job) -> dict[str, Any]:
+    """The result of a job whose export is current."""
+    return {"name": job.name, "kind": job.kind, "status": SKIPPED, "seconds": 0.0, "peak_rss_mb": None,
+            "max_error": None, "failures": [], "note": f"current: made from the same source and options ({Path(job.out)})"}
