@@ -190,12 +190,12 @@ def cmd_verify(args, console) -> int:
                                               f"TF {devices.get('tf_device')}, ONNX Runtime "
                                               f"{', '.join(devices.get('onnxruntime_providers_used', []))})"))
     for note in result.notes:
-        console.print(f"plan: {escape(one_line(note))}", soft_wrap=True)
+        console.print(f"plan: {escape(one_line(note))}", soft_wrap=True, highlight=False)
     from policy_export.exporter.reports import record_problems
 
     for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
                     + record_problems(result.parity)):
-        console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True)
+        console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True, highlight=False)
     if not result.passed:
         failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
         print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)

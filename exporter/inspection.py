@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,13 @@ _TRITON_NUMPY = {"TYPE_FP32": "float32", "TYPE_FP64": "float64", "TYPE_FP16": "f
                  "TYPE_UINT16": "uint16", "TYPE_UINT32": "uint32", "TYPE_UINT64": "uint64", "TYPE_BOOL": "bool"}
 
 
+_VERSION = re.compile(r"[0-9]{1,19}")  # TF Serving's versions: ASCII 64-bit integers
+MAX_VERSION = 2**63 - 1
+
+
 def _is_version(p: Path) -> bool:
-    return p.is_dir() and not p.is_symlink() and p.name.isdigit()
+    return (_VERSION.fullmatch(p.name) is not None and int(p.name) <= MAX_VERSION
+            and p.is_dir() and not p.is_symlink())
 
 
 def serving_layout(path: Path) -> tuple[str, Path] | None:
@@ -95,7 +101,11 @@ def triton_contract(model_dir: Path) -> Contract:
     except ImportError as e:
         raise ExportError(f"reading {model_dir / 'config.pbtxt'} needs Triton's schema: pip install "
                           f"'policy-export[serving]' ({e})") from e
-    raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
+    try:
+        raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
+    except OSError as e:  # a symbolic link (ELOOP), a file that cannot be opened
+        raise ExportError(f"{model_dir / 'config.pbtxt'} cannot be read as a regular file "
+                          f"(links are not followed): {e.strerror}") from e
     try:
         config = text_format.Parse(raw.decode("utf-8"), model_config_pb2.ModelConfig())
     except (text_format.ParseError, UnicodeDecodeError) as e:
@@ -103,7 +113,8 @@ def triton_contract(model_dir: Path) -> Contract:
     pb = model_config_pb2
 
     def spec(io, optional: bool = False) -> TensorSpec:
-        name = pb.DataType.Name(io.data_type)
+        value = pb.DataType.DESCRIPTOR.values_by_number.get(io.data_type)
+        name = value.name if value is not None else str(io.data_type)
         if name not in _TRITON_NUMPY:
             raise ExportError(f"{model_dir / 'config.pbtxt'}: {io.name!r} has data type {name}, which has no numpy dtype")
         dims = list(io.reshape.shape) if io.HasField("reshape") else list(io.dims)

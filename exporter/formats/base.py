@@ -102,6 +102,17 @@ class Format:
         return f"<format {self.name}: {self.path}>"
 
 
+def refuse_links(name: str, path: Path) -> None:
+    """Raises InputError when the candidate directory ``path`` holds a link, FIFO, device or socket."""
+    from policy_export.exporter.manifest import scan
+
+    special = scan(path).special
+    if special:
+        rel, kind = sorted(special.items())[0]
+        raise InputError(f"candidate {name}={path}: {rel} is a {kind}; a candidate directory holds regular "
+                         "files and directories only (links are not followed)")
+
+
 @dataclass(frozen=True)
 class FormatRecord:
     """What one format writer wrote: paths relative to the export root, and format details."""

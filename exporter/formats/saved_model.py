@@ -29,6 +29,9 @@ class SavedModelFormat(Format):
     def check_candidate(self, path: Path) -> None:
         if not (path / "saved_model.pb").is_file():
             raise InputError(f"candidate {self.name}={path}: not a SavedModel directory (no saved_model.pb)")
+        from policy_export.exporter.formats.base import refuse_links
+
+        refuse_links(self.name, path)  # a linked variables/ would be restored from outside the candidate
 
 
 FORMAT = SavedModelFormat()

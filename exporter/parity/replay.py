@@ -154,13 +154,18 @@ def candidate_label(fmt: str) -> str:
     return f"{fmt} candidate"
 
 
+MAX_ERROR_TEXT = 2000
+
+
 def _guarded(label: str, report: ParityReport, collect_errors: bool, run: Callable[[], None]) -> None:
     try:
         run()
     except model_errors() as e:  # in verify, what a model file makes its runtime raise is that format's failure
         if not collect_errors:
             raise
-        report.errors[label] = str(e) if isinstance(e, PolicyExportError) else f"{type(e).__name__}: {e}"
+        text = str(e) if isinstance(e, PolicyExportError) else f"{type(e).__name__}: {e}"
+        # a runtime may repeat a model's own (hostile, huge) names in its message
+        report.errors[label] = text if len(text) <= MAX_ERROR_TEXT else f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters)"
 
 
 def model_errors() -> tuple[type[BaseException], ...]:

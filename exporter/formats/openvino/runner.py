@@ -17,7 +17,10 @@ inputs the IR does not take may be fed their defaults only.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,10 @@ from policy_export.exporter.formats.runner import Runner, TensorMeta, with_defau
 from policy_export.policy.files import read_regular
 from policy_export.signatures.contract import Contract
 
-MAX_XML_BYTES = 256 << 20
-MAX_BIN_BYTES = 16 << 30
+MAX_XML_BYTES = 16 << 20
+MAX_BIN_BYTES = 1 << 30
+IR_ALLOWANCE = 16 << 20  # bytes one tensor may take beyond the IR's weights
+MAX_ERROR_TEXT = 2000
 _DECLARATIONS = re.compile(rb"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
 _START = re.compile(rb"^(\xef\xbb\xbf)?\s*(<\?xml[^>]*\?>\s*)?(<!--.*?-->\s*)*<net[\s>]", re.DOTALL)
 
@@ -55,14 +60,85 @@ def read_ir(path: Path) -> tuple[bytes, bytes]:
         raise ExportError(f"{path} has no {', '.join(missing)}")
     try:
         xml = read_regular(path / XML_NAME, MAX_XML_BYTES)
-        weights = read_regular(path / BIN_NAME, MAX_BIN_BYTES)
     except OSError as e:  # a symbolic link (ELOOP), a file that cannot be opened
         raise ExportError(f"{path}: cannot read the IR files without following links: {e}") from e
     if _DECLARATIONS.search(xml):
         raise ExportError(f"{path / XML_NAME} declares a DOCTYPE or ENTITY; an OpenVINO IR has none: refusing to parse it")
     if not _START.match(xml[:4096]):
         raise ExportError(f"{path / XML_NAME} is not an OpenVINO IR (no <net> element at its start)")
+    needed = _constants_end(xml, path / XML_NAME)
+    try:
+        info = os.lstat(path / BIN_NAME)
+        if stat.S_ISREG(info.st_mode) and info.st_size != needed:
+            raise ExportError(f"{path / BIN_NAME} holds {info.st_size} bytes; the constants of {XML_NAME} take "
+                              f"{needed}: refusing to load it")
+        weights = read_regular(path / BIN_NAME, needed)
+    except OSError as e:
+        raise ExportError(f"{path}: cannot read the IR files without following links: {e}") from e
+    if len(weights) != needed:
+        raise ExportError(f"{path / BIN_NAME} holds {len(weights)} bytes; the constants of {XML_NAME} take "
+                          f"{needed}: refusing to load it")
     return xml, weights
+
+
+def _constants_end(xml: bytes, where: Path) -> int:
+    """The end of the last weight range the IR's layers take in ``model.bin`` (checked to lie
+    within the limit). The XML has no DOCTYPE (checked first), so the parser expands nothing."""
+    try:
+        root = ET.fromstring(xml)
+    except ET.ParseError as e:
+        raise ExportError(f"{where} is not well-formed XML: {e}") from e
+    end = 0
+    for layer in root.iter("layer"):  # If/Loop bodies included
+        data = layer.find("data")
+        if data is None or (data.get("offset") is None and data.get("size") is None):
+            continue
+        try:
+            offset, size = int(data.get("offset")), int(data.get("size"))
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{where}: layer {layer.get('name', '')[:100]!r} has no integer offset/size") from e
+        if offset < 0 or size < 0 or offset + size > MAX_BIN_BYTES:
+            raise ExportError(f"{where}: layer {layer.get('name', '')[:100]!r} takes weight bytes "
+                              f"{offset}..{offset + size}, outside 0..{MAX_BIN_BYTES}")
+        end = max(end, offset + size)
+    return end
+
+
+def _bodies(op) -> list:
+    kind = op.get_type_name()
+    if kind == "If":
+        return [op.get_then_body(), op.get_else_body()]
+    return [op.get_function(0)] if kind in ("Loop", "TensorIterator") else []
+
+
+def check_ir_budget(model, weights: int, label: str) -> None:
+    """Refuse an IR whose ops make a tensor of fixed shape larger than its weights and an allowance
+    (a few bytes of weights folded into a huge constant when compiled).
+
+    Raises:
+        ExportError: naming the op and the size.
+    """
+    budget, stack = weights + IR_ALLOWANCE, [model]
+    while stack:
+        for op in stack.pop().get_ordered_ops():
+            stack.extend(_bodies(op))
+            for out in op.outputs():
+                shape = out.get_partial_shape()
+                if shape.rank.is_dynamic:
+                    continue
+                n = 1
+                for d in shape:
+                    n *= d.get_length() if d.is_static else 1
+                nbytes = n * out.get_element_type().size
+                if nbytes > budget:
+                    raise ExportError(f"{label}: op {op.get_friendly_name()[:100]!r} ({op.get_type_name()}) makes a "
+                                      f"{nbytes}-byte tensor, over the {budget}-byte budget of an IR with {weights} "
+                                      "bytes of weights: refusing to compile it")
+
+
+def _clipped(error: Exception) -> str:
+    text = str(error)
+    return text if len(text) <= MAX_ERROR_TEXT else f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters)"
 
 
 def cpu_supports_bf16(core) -> bool:
@@ -101,10 +177,15 @@ class OpenVinoRunner(Runner):
             config["INFERENCE_NUM_THREADS"] = threads
         try:
             model = core.read_model(xml, weights)
+            size = len(weights)
             del xml, weights
-            self.compiled = core.compile_model(model, "CPU", config)
         except Exception as e:  # OpenVINO raises RuntimeError and its own types on a bad model
-            raise ExportError(f"{self.label} does not load: {type(e).__name__}: {e}") from e
+            raise ExportError(f"{self.label} does not load: {type(e).__name__}: {_clipped(e)}") from e
+        check_ir_budget(model, size, self.label)
+        try:
+            self.compiled = core.compile_model(model, "CPU", config)
+        except Exception as e:  # noqa: BLE001
+            raise ExportError(f"{self.label} does not load: {type(e).__name__}: {_clipped(e)}") from e
         self.precision = precision_name(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()

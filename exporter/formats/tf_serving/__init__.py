@@ -47,6 +47,9 @@ class TFServingFormat(Format):
         if not path.is_dir() or not (path / CONFIG_FILE).is_file():
             raise InputError(f"candidate {self.name}={path}: not a TF Serving layout (a directory holding "
                              f"{CONFIG_FILE} and <model_name>/<version>/saved_model.pb)")
+        from policy_export.exporter.formats.base import refuse_links
+
+        refuse_links(self.name, path)
 
 
 FORMAT = TFServingFormat()

@@ -29,15 +29,22 @@ class TritonFormat(Format):
         info = (manifest.get("formats") or {}).get(self.name) or {}
         return TritonRunner(path, Contract.from_json(manifest["contract"]), info, device)
 
+    def check_candidate(self, path: Path) -> None:
+        from policy_export.exporter.formats.base import refuse_links
+
+        super().check_candidate(path)
+        refuse_links(self.name, path)
+
     def explores(self, info) -> bool:
         return bool((info or {}).get("explores"))
 
     def output_keys(self, contract, info) -> list[str]:
         """The batched model's outputs and the state it returns (all of the contract's, unless only
         the deterministic model could be made)."""
-        models = (info or {}).get("models")
-        batched = next((m for m in models.values() if isinstance(m, dict) and m.get("max_batch_size")), None) \
-            if isinstance(models, dict) else None
+        from policy_export.exporter.formats.triton.runner import model_records
+
+        models = model_records("triton", info or {})
+        batched = next((m for m in models.values() if m.get("max_batch_size")), None)
         if batched is None or not isinstance(batched.get("outputs"), list):
             return list(contract.output_keys)
         served = set(batched["outputs"]) | {o for pair in batched.get("states") or [] for o in pair[1:]}

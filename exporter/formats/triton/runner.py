@@ -11,11 +11,37 @@ from typing import Any
 
 import numpy as np
 
-from policy_export.errors import InputError
+from policy_export.errors import ExportError, InputError
 from policy_export.exporter.formats.runner import Runner, TensorMeta
 from policy_export.exporter.formats.triton.graph import START
 from policy_export.signatures.contract import Contract
 from policy_export.signatures.keys import SEQ_LENS
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _strs(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def model_records(label: str, info: Any) -> dict[str, dict]:
+    """The manifest record's ``models``, each checked to be well formed.
+
+    Raises:
+        InputError: no models listed. ExportError: a malformed record (named).
+    """
+    models = info.get("models") if isinstance(info, dict) and isinstance(info.get("models"), dict) else {}
+    if not models:
+        raise InputError(f"{label}: the manifest lists no Triton models")
+    for name, r in models.items():
+        if not (isinstance(r, dict) and isinstance(r.get("model"), str) and _int(r.get("max_batch_size", 0))
+                and _strs(r.get("outputs", [])) and isinstance(r.get("states") or [], list)
+                and all(_strs(p) for p in r.get("states") or [])):
+            raise ExportError(f"{label}: the manifest's triton model record {name!r} is malformed (expected "
+                              "{model: path, max_batch_size: int, outputs: [keys], states: [[keys]]})")
+    return models
 
 
 class TritonRunner(Runner):
@@ -26,16 +52,14 @@ class TritonRunner(Runner):
 
         self.label = f"Triton repository {root}"
         self.contract = contract
-        models = info.get("models") if isinstance(info.get("models"), dict) else {}
-        if not models:
-            raise InputError(f"{self.label}: the manifest lists no Triton models")
+        models = model_records(self.label, info)
         self.runners: dict[str, Any] = {}
         self.batched = self.sampling = None
         for name, record in models.items():
             path = _inside(root, record.get("model"))
             runner = OnnxRunner(path, device, threads=1, contract=None)
             self.runners[name] = runner
-            if int(record.get("max_batch_size", 0)) > 0:
+            if record.get("max_batch_size", 0) > 0:
                 self.batched = runner
             else:
                 self.sampling = runner
