@@ -34,6 +34,7 @@ _EXPORTS = {
     "policy_export.exporter.options": ("ExportOptions", "VerifyOptions", "ALL_FORMATS"),
     "policy_export.exporter.convert": ("convert_saved_model", "convert_checkpoint", "convert_checkpoint_policies"),
     "policy_export.exporter.sources.checkpoint": ("read_checkpoint",),
+    "policy_export.exporter.many": ("export_many", "verify_many", "ManyResult"),
     "policy_export.exporter.parity.compare": ("ParityReport", "Tolerance", "Tolerances"),
     "policy_export.signatures": ("Contract", "TensorSpec", "build_signature"),
 }

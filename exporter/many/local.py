@@ -23,10 +23,14 @@ from policy_export.exporter.many.work import ERROR, FAILED
 POLL = 0.2  # seconds between checks of the running processes
 
 
-def _child(job_json: dict, conn, log_path: str) -> None:  # pragma: no cover - runs in the worker process
+def _child(job_json: dict, conn, log_path: str, threads: int) -> None:  # pragma: no cover - the worker process
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1), os.dup2(fd, 2)  # TensorFlow's C++ logging: into the policy's log, not the terminal
     os.close(fd)
+    # the cores are shared among the policies running at once: TensorFlow's thread pools (made at
+    # the first session, after the fork) and OpenMP take their share, not all of them each
+    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(name, str(threads))
     from policy_export.exporter.many.work import run_job
 
     conn.send(run_job(job_json))
@@ -94,7 +98,8 @@ class LocalPool:
         receive, send = self.ctx.Pipe(duplex=False)
         log = os.path.join(self.log_dir or job.root, f"{job.name}.log")
         os.makedirs(os.path.dirname(log), exist_ok=True)
-        process = self.ctx.Process(target=_child, args=(job.to_json(), send, log), name=f"policy-export:{job.name}")
+        threads = max(1, (os.cpu_count() or 1) // self.jobs)
+        process = self.ctx.Process(target=_child, args=(job.to_json(), send, log, threads), name=f"policy-export:{job.name}")
         process.start()
         send.close()
         return _Running(job, process, receive, time.perf_counter(), attempt)
