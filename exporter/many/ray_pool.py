@@ -112,6 +112,9 @@ class RayPool:
     belongs to, or ``RAY_ADDRESS``); ``on_start(job, attempt)`` and ``on_result(result)`` are
     called in the driver as tasks are submitted and finish.
 
+    A process already connected to Ray (``ray.init`` called before) is used as it is, and left
+    connected; otherwise the pool connects, and disconnects when :meth:`run` ends.
+
     Raises:
         InputError: no Ray cluster runs at ``address``, or a bad ``cpus``/``memory_mb``/``retries``.
     """
@@ -122,9 +125,17 @@ class RayPool:
                              f"{retries})")
         self.address, self.cpus, self.memory_mb, self.retries = address or "auto", cpus, memory_mb, retries
         self.owned = connect(self.address)
-        self.resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
-        self.nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        try:
+            self.gcs_address = ray.get_runtime_context().gcs_address
+            self.resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+            self.nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        except BaseException:
+            self.close()
+            raise
         self.jobs = max(1, int(self.resources.get("CPU", 0) / cpus))
+        # retries are the pool's own (each attempt a new task, seen by the driver: progress shows
+        # "attempt 2" and the result its attempts), so Ray's are off; a policy's own exception is
+        # a result value of run_job, never a reason to retry
         options: dict[str, Any] = dict(num_cpus=cpus, max_retries=0, retry_exceptions=False, max_calls=1)
         if memory_mb:
             options["memory"] = int(memory_mb * 2**20)
@@ -134,7 +145,8 @@ class RayPool:
     def describe(self) -> dict[str, Any]:
         """What ran the jobs, as plain values for the run's report."""
         memory = self.resources.get("memory")
-        return {"executor": "ray", "ray_version": ray.__version__, "address": self.address, "nodes": self.nodes,
+        return {"executor": "ray", "ray_version": ray.__version__, "address": self.address,
+                "gcs_address": self.gcs_address, "nodes": self.nodes,
                 "cluster": {"cpus": self.resources.get("CPU", 0.0), "gpus": self.resources.get("GPU", 0.0),
                             "memory_mb": round(memory / 2**20) if memory else None},
                 "task": {"num_cpus": self.cpus, "memory_mb": self.memory_mb, "max_calls": 1},
