@@ -5,6 +5,7 @@ pipeline and renders the result. Errors go up to :func:`exporter.cli.main` uncha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -533,15 +534,36 @@ def _many_run_options(args) -> dict:
         raise InputError(f"--jobs {args.jobs}: give at least 1")
     if args.memory_mb is not None and args.memory_mb <= 0:
         raise InputError(f"--memory-mb {args.memory_mb:g}: give a positive size")
-    progress = None if not args.quiet else (lambda line: None)
-    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload, progress=progress)
+    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload)
+
+
+@contextlib.contextmanager
+def _many_progress(args):
+    """Progress of export-many/verify-many: none with ``-q``; on a terminal the event lines with a
+    live status line under them (done, running, failed, ETA); plain lines on stderr otherwise."""
+    from policy_export.exporter.progress import live_terminal
+
+    if args.quiet:
+        yield {"progress": lambda line: None}
+        return
+    if not live_terminal():
+        yield {}
+        return
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    with err.status("starting") as status:
+        yield {"progress": lambda line: err.print(escape(line), highlight=False, soft_wrap=True),
+               "status": lambda counts: status.update(escape(counts))}
 
 
 def cmd_export_many(args, console) -> int:
     from policy_export.exporter.many import export_many
 
     _check_report_paths(args, args.out)
-    result = export_many(args.sources, args.out, force=args.force, **_many_run_options(args), **_many_options(args))
+    run = _many_run_options(args)
+    with _many_progress(args) as shown:
+        result = export_many(args.sources, args.out, force=args.force, **run, **shown, **_many_options(args))
     return _many_report(args, console, result, f"export-many {args.out}")
 
 
@@ -549,7 +571,9 @@ def cmd_verify_many(args, console) -> int:
     from policy_export.exporter.many import verify_many
 
     _check_report_paths(args, args.root)
-    result = verify_many(args.root, **_many_run_options(args), **_many_options(args))
+    run = _many_run_options(args)
+    with _many_progress(args) as shown:
+        result = verify_many(args.root, **run, **shown, **_many_options(args))
     return _many_report(args, console, result, f"verify-many {args.root}")
 
 

@@ -226,6 +226,18 @@ class RichProgress(Progress):
             self._progress.stop()
 
 
+def live_terminal(stream: TextIO | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``stream`` (default ``sys.stderr``) takes a live display: a terminal, ``TERM`` not
+    ``dumb``, ``CI`` not set."""
+    environ = os.environ if environ is None else environ
+    stream = sys.stderr if stream is None else stream
+    try:
+        terminal = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        terminal = False
+    return terminal and environ.get("TERM", "").lower() not in ("dumb", "unknown") and not environ.get("CI")
+
+
 def for_terminal(quiet: bool = False, environ: Mapping[str, str] | None = None, console: Any = None,
                  stream: TextIO | None = None) -> Progress:
     """The command line's reporter: silent with ``quiet``; a live rich display on ``console`` when
@@ -233,13 +245,8 @@ def for_terminal(quiet: bool = False, environ: Mapping[str, str] | None = None, 
     set; plain lines on stderr otherwise. ``FORCE_COLOR`` does not make a log file a terminal."""
     if quiet:
         return SILENT
-    environ = os.environ if environ is None else environ
     stream = sys.stderr if stream is None else stream
-    try:
-        terminal = bool(stream.isatty())
-    except (AttributeError, ValueError):
-        terminal = False
-    if terminal and environ.get("TERM", "").lower() not in ("dumb", "unknown") and not environ.get("CI"):
+    if live_terminal(stream, environ):
         if console is None:
             from rich.console import Console
 

@@ -208,3 +208,19 @@ def test_a_policy_over_the_memory_cap_is_stopped_and_fails(tmp_path):
     only = result.results[0]
     assert only["status"] == "failed" and "over the memory cap of 150 MiB" in only["failures"][0]
     assert not (tmp_path / "root" / "p0" / "manifest.json").exists() and result.failed == ["p0"]
+
+
+def test_progress_lines_and_the_live_counts():
+    from policy_export.exporter.many import Progress
+    from policy_export.exporter.many.jobs import Job
+
+    lines, counts = [], []
+    progress = Progress(3, 2, lines.append, counts.append)
+    job = Job("a", "spec", "/src/a", "/root/a", "/root")
+    progress.started(job, 1)
+    progress.finished({"name": "a", "status": "passed", "seconds": 4.0, "failures": []})
+    progress.finished({"name": "b", "status": "failed", "seconds": 2.0, "failures": ["parity failed: x"]})
+    assert lines[0].startswith("[0/3 done, 1 running, 0 failed") and lines[0].endswith("a: started")
+    assert "] a: passed in 4.0 s" in lines[1] and "ETA 4 s" in lines[1]  # mean 4 s x 2 left / 2 workers
+    assert lines[2].startswith("[2/3 done, 0 running, 1 failed") and lines[2].endswith("b: failed in 2.0 s: parity failed: x")
+    assert len(counts) == 3 and counts[-1].startswith("2/3 done, 0 running, 1 failed")

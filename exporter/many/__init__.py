@@ -51,8 +51,10 @@ class ManyResult:
 class Progress:
     """Progress over the whole run: done, running, failed and an ETA, one plain line per event."""
 
-    def __init__(self, total: int, workers: int, write: Callable[[str], None] | None = None):
+    def __init__(self, total: int, workers: int, write: Callable[[str], None] | None = None,
+                 status: Callable[[str], None] | None = None):
         self.total, self.workers = total, max(1, workers)
+        self.status = status  # shown live on a terminal: the counts after each event
         self.done = self.failed = self.running = 0
         self.times: list[float] = []
         self.start = time.perf_counter()
@@ -68,6 +70,7 @@ class Progress:
         self.running += 1
         again = f" (attempt {attempt})" if attempt > 1 else ""
         self.write(f"[{self._counts()}] {job.name}: started{again}")
+        self._show()
 
     def finished(self, result: Mapping[str, Any]) -> None:
         self.running = max(0, self.running - 1) if result["status"] != "skipped" else self.running
@@ -79,6 +82,11 @@ class Progress:
         detail = f" in {result.get('seconds', 0):.1f} s" if result["status"] != "skipped" else " (current)"
         why = f": {result['failures'][0]}" if result.get("failures") else ""
         self.write(f"[{self._counts()}] {result['name']}: {result['status']}{detail}{why}"[:400])
+        self._show()
+
+    def _show(self) -> None:
+        if self.status is not None:
+            self.status(self._counts())
 
     def _counts(self) -> str:
         return (f"{self.done}/{self.total} done, {self.running} running, {self.failed} failed, "
@@ -97,12 +105,13 @@ def _executor(jobs: int | None, ray: str | None, memory_mb: float | None, preloa
 
 def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping[str, dict], opts: Mapping[str, Any],
          write: Callable[[str], None] | None) -> ManyResult:
+    """Run ``todo`` (``done``: the results of the current ones) and gather every result in order."""
     start = time.perf_counter()
     from policy_export.exporter.many.jobs import STATE_DIR
 
     pool = _executor(opts.get("jobs"), opts.get("ray"), opts.get("memory_mb"), opts.get("preload", True),
                      root / STATE_DIR / "logs")
-    progress = Progress(len(all_jobs), getattr(pool, "jobs", 1), write)
+    progress = Progress(len(all_jobs), getattr(pool, "jobs", 1), write, opts.get("status"))
     results = dict(done)
     for result in done.values():
         progress.finished(result)
@@ -125,25 +134,29 @@ def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | 
     time (default: the number of cores) or as Ray tasks (``ray``: ``"auto"`` or a cluster address).
     ``options`` are the single commands' (``formats``, ``samples``...); a league entry's own win.
     A policy whose export is current is skipped unless ``force``. ``memory_mb`` caps each policy's
-    process. ``progress`` receives one line per event (default: stderr). ``preload=False`` starts
+    process. ``progress`` receives one line per event (default: stderr); ``status``, where given,
+    the counts after each (done, running, failed, the ETA), e.g. for a live display. ``preload=False`` starts
     each local process from scratch instead of forking it from a process that imported the runtimes.
 
     Raises:
         InputError: a bad source, league file or option (before anything runs).
     """
-    preload = options.pop("preload", True)
+    preload, status = options.pop("preload", True), options.pop("status", None)
     root = Path(root).absolute()
     all_jobs = expand(sources, root, options)
     root.mkdir(parents=True, exist_ok=True)
     done = {} if force else {j.name: skipped(j) for j in all_jobs if is_current(j)}
     todo = [j for j in all_jobs if j.name not in done]
-    return _run(all_jobs, root, todo, done, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload), progress)
+    return _run(all_jobs, root, todo, done, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
+                                                 status=status), progress)
 
 
 def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = None, memory_mb: float | None = None,
-                preload: bool = True, progress: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
+                preload: bool = True, progress: Callable[[str], None] | None = None,
+                status: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
     """Verify every export under ``root`` (``root/<name>/manifest.json``), each in a process of its
     own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...)."""
     root = Path(root).absolute()
     all_jobs = verify_jobs(root, options)
-    return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload), progress)
+    return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
+                                                   status=status), progress)
