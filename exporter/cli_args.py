@@ -60,7 +60,8 @@ def _partial_option(p: argparse.ArgumentParser) -> None:
 def _formats_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=None, metavar="LIST",
                    help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
-                        "(the default), the opt-in edge formats tflite,tflite_int8,onnx_int8,onnx_fp16 and the serving targets "
+                        "(the default), onnx_explore (every input a plain graph input, for JavaScript clients), the opt-in edge formats "
+                        "tflite,tflite_int8,onnx_int8,onnx_fp16 and the serving targets "
                         "triton,tf_serving,openvino,openvino_bf16")
 
 

@@ -20,15 +20,15 @@ def test_capabilities_decide_what_each_format_is_checked_for():
     signature = [f.name for f in formats.with_capability("signature")]
     edge = ["tflite", "tflite_int8", "onnx_int8", "onnx_fp16"]
     serving = ["openvino", "openvino_bf16", "triton", "tf_serving"]
-    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", *edge, *serving]
+    assert signature == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "onnx_explore", *edge, *serving]
     # what may explore; whether one export's file does is its manifest record's (Format.explores)
-    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx", "tflite",
-                                                                     *serving]
-    assert [f.name for f in formats.with_capability("onnx")] == ["onnx", "onnx_deterministic"]
+    assert [f.name for f in formats.with_capability("explores")] == ["saved_model", "frozen_graph", "onnx", "onnx_explore",
+                                                                     "tflite", *serving]
+    assert [f.name for f in formats.with_capability("onnx")] == ["onnx", "onnx_deterministic", "onnx_explore"]
     assert [f.name for f in formats.with_capability("reference", ["onnx", "frozen_graph"])] == ["frozen_graph"]
     assert [f.name for f in formats.with_capability("lossy")] == ["tflite_int8", "onnx_int8", "onnx_fp16", "openvino_bf16"]
     # edge formats and serving targets are opt-in
-    assert formats.default_names() == tuple(f for f in formats.names() if f not in edge + serving)
+    assert formats.default_names() == tuple(f for f in formats.names() if f not in [*edge, *serving, "onnx_explore"])
     assert not formats.get("triton").explores({"explores": False}) and formats.get("triton").explores({"explores": True})
     assert not formats.get("openvino").explores({"explores": False})
 
@@ -89,6 +89,8 @@ def test_a_named_format_the_policy_cannot_have_is_refused(tmp_path):
         export_policy(policy, tmp_path / "x", formats=["onnx", "keras"], samples=16, device="cpu")
     with pytest.raises(InputError, match="format 'onnx_deterministic' cannot be written: the policy exposes no"):
         export_policy(policy, tmp_path / "x", formats=["onnx_deterministic"], samples=16, device="cpu")
+    with pytest.raises(InputError, match="format 'onnx_explore' cannot be written: the policy has no optional inputs"):
+        export_policy(policy, tmp_path / "x", formats=["onnx", "onnx_explore"], samples=16, device="cpu")
     assert not (tmp_path / "x").exists()
     result = export_policy(policy, tmp_path / "y", samples=16, device="cpu")
     assert list(result.formats) == ["saved_model", "frozen_graph", "onnx"]  # left to the default: skipped

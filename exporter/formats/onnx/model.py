@@ -10,6 +10,7 @@ gets the defaults, so deterministic actions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -263,6 +264,30 @@ def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
     del model, lazy
     check_saved(target)
     return FormatRecord("onnx_deterministic", files, details)
+
+
+def make_inputs_plain(model: onnx.ModelProto, contract: Contract) -> list[str]:
+    """Turn the optional inputs of a finished ``model.onnx`` model into plain graph inputs (their
+    default initializers removed, so every runtime lists them and every client must feed them);
+    the contract in the metadata says so. Returns their keys.
+
+    Raises:
+        ExportError: an optional input is not a graph input of the model.
+    """
+    graph = model.graph
+    optional = [s.key for s in contract.inputs if not s.required]
+    missing = sorted(set(optional) - {i.name for i in graph.input})
+    if missing:
+        raise ExportError(f"optional inputs {missing} are not inputs of the ONNX model")
+    for init in [i for i in graph.initializer if i.name in optional]:
+        graph.initializer.remove(init)
+    plain = dataclasses.replace(contract, inputs=tuple(dataclasses.replace(s, required=True, default=None)
+                                                       for s in contract.inputs))
+    props = {p.key: p.value for p in model.metadata_props}
+    props[CONTRACT_METADATA] = json.dumps(plain.to_json(), sort_keys=True)
+    del model.metadata_props[:]
+    helper.set_model_props(model, props)
+    return optional
 
 
 def nchw_inputs(model: onnx.ModelProto) -> list[str]:
@@ -679,3 +704,23 @@ class OnnxRunner(Runner):
 
     def _close(self) -> None:
         del self.session
+
+
+class OnnxDefaultsRunner(OnnxRunner):
+    """An ONNX Runtime session over a model whose every input must be fed (``model_explore.onnx``):
+    an input the caller leaves out gets the contract's default, as ``model.onnx`` would give it."""
+
+    def __init__(self, path: Path, device: DevicePlan, threads: int | None = None, contract: Contract | None = None):
+        super().__init__(path, device, threads, contract)
+        self.defaults = {s.key: s.default for s in (contract.inputs if contract else ()) if not s.required}
+        hidden = sorted(a.name for a in self.session.get_overridable_initializers() if a.name in self.defaults)
+        if hidden:
+            self.close()
+            raise ExportError(f"{path}: inputs {hidden} are initializers holding defaults, not graph inputs: runtimes "
+                              "that feed only the inputs a session lists (onnxruntime-web, onnxruntime-node) cannot "
+                              "feed them; every input must be a plain graph input")
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from policy_export.exporter.formats.runner import with_defaults
+
+        return super()._run(with_defaults(self.label, self.inputs, feeds, self.defaults))
