@@ -692,10 +692,11 @@ def test_every_format_is_a_registered_plugin_with_its_own_path():
     from policy_export.exporter import formats
 
     paths = formats.paths()
-    assert list(paths) == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras",
+    assert list(paths) == ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "onnx_explore", "keras",
                            "tflite", "tflite_int8", "onnx_int8", "onnx_fp16", "openvino", "openvino_bf16", "triton",
                            "tf_serving"]
     assert paths["onnx"] == "model.onnx" and paths["keras"] == "keras" and paths["tflite"] == "model.tflite"
+    assert paths["onnx_explore"] == "model_explore.onnx"
     assert paths["triton"] == "triton" and paths["tf_serving"] == "tf_serving" and paths["openvino"] == "openvino"
     assert len(set(paths.values())) == len(paths)  # no two formats write the same path
     with pytest.raises(InputError, match="unknown format 'tflite_nope'"):
