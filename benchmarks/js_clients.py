@@ -4,11 +4,12 @@
     python -m benchmarks.js_clients            # the fixtures below, results in benchmarks/js_results.json
 
 Each fixture (bundled specs, and RLlib checkpoints converted without ray) is exported with
-``onnx`` and ``onnx_explore``; then ``tests/js/run_onnx.mjs`` runs
+``onnx``, ``onnx_deterministic`` and ``onnx_explore``; then ``tests/js/run_onnx.mjs`` runs
 the files in onnxruntime-web on its WebAssembly backend under Node.js and in a headless Chromium
 page, and in onnxruntime-node. Per runtime and file: the inputs the session lists, the largest absolute error of
-every float output on the export's golden inputs (``model.onnx`` fed its listed inputs,
-``model_explore.onnx`` fed every input with ``explore`` false), the integer outputs that differ,
+every float output on the export's golden inputs (``model.onnx`` and ``model_deterministic.onnx``
+fed their listed inputs, ``model_explore.onnx`` fed every input with ``explore`` false), the
+integer outputs that differ,
 and for ``model_explore.onnx`` with ``explore`` true the smallest p-value of the two-sample tests
 against the session's own draws (``parity/exploration.npz``) beside the threshold it must reach.
 """
@@ -207,19 +208,27 @@ def measure(exports: dict[str, Path], work: Path) -> dict:
         for name, out in exports.items():
             manifest, inputs, outputs = read_export(out)
             probe = exploration_probe(out)
+            det = manifest["formats"].get("onnx_deterministic")
             requests += [(out / "model.onnx", inputs), (out / "model_explore.onnx", {**inputs, **defaults(manifest)})]
+            if det:
+                requests.append((out / "model_deterministic.onnx", inputs))
             if probe is not None:
                 requests.append((out / "model_explore.onnx", {**probe[0], **defaults(manifest), "explore": np.array(True)}))
-            cases.append((name, manifest, outputs, probe))
+            cases.append((name, manifest, outputs, probe, det))
         results = iter(run_js(runtime, requests, work))
-        for name, manifest, outputs, probe in cases:
+        for name, manifest, outputs, probe, det in cases:
             full, plain = next(results), next(results)
+            greedy = next(results) if det else None
             sampled = next(results) if probe is not None else {"n/a": "no explore input: the policy does not sample"}
             row = rows.setdefault(name, {})[runtime] = {}
             row["model.onnx"] = {"inputs": full.get("inputNames"), "error": full.get("error"),
                                  "errors": errors(full.get("outputs", {}), outputs)}
             row["model_explore.onnx"] = {"inputs": plain.get("inputNames"), "error": plain.get("error"),
                                          "errors": errors(plain.get("outputs", {}), outputs)}
+            if greedy is not None:
+                row["model_deterministic.onnx"] = {
+                    "inputs": greedy.get("inputNames"), "error": greedy.get("error"),
+                    "errors": errors(greedy.get("outputs", {}), {k: outputs[k] for k in det["outputs"]})}
             if "outputs" in sampled:
                 checks = compare_samples(runtime, space_from_json(manifest["spaces"]["action"]), probe[2],
                                          probe[1], sampled["outputs"])
@@ -238,23 +247,27 @@ def export_all(work: Path) -> dict[str, Path]:
         made[name] = out = work / name.replace(":", "_")
         if name.startswith("rllib:"):
             convert_checkpoint(ROOT / "fixtures" / "rllib" / "checkpoints" / name[6:] / "checkpoint", out, device="cpu",
-                               formats=["onnx", "onnx_explore"])
+                               formats=["onnx", "onnx_deterministic", "onnx_explore"])
         else:
-            export_spec(ROOT / "fixtures" / name, out, device="cpu", formats=["onnx", "onnx_explore"])
+            export_spec(ROOT / "fixtures" / name, out, device="cpu", formats=["onnx", "onnx_deterministic", "onnx_explore"])
     return made
 
 
 def table(rows: dict) -> str:
-    lines = ["| fixture | runtime | model.onnx max float err | model_explore.onnx max float err | integer outputs "
-             "differing | explore: min p (threshold) |", "|---|---|---|---|---|---|"]
+    lines = ["| fixture | runtime | model.onnx max float err | model_explore.onnx max float err | "
+             "model_deterministic.onnx max float err | integer outputs differing | explore: min p (threshold) |",
+             "|---|---|---|---|---|---|---|"]
     for name, per in rows.items():
         for runtime, row in per.items():
             def worst(rec, floats=True):
+                if rec is None:
+                    return "-"
                 vals = [v for v in rec["errors"].values() if isinstance(v, float) == floats]
                 return (f"{max(vals):.1e}" if floats else str(sum(vals))) if vals else "-"
-            ex = row["explore"]
+            ex, det = row["explore"], row.get("model_deterministic.onnx")
+            ints = ", ".join(worst(r, False) for r in (row["model.onnx"], row["model_explore.onnx"], det))
             lines.append(f"| {name} | {runtime} | {worst(row['model.onnx'])} | {worst(row['model_explore.onnx'])} | "
-                         f"{worst(row['model.onnx'], False)}, {worst(row['model_explore.onnx'], False)} | "
+                         f"{worst(det)} | {ints} | "
                          + (f"{ex['min_p']:.2g} ({ex['threshold']:.1g})" if "min_p" in ex else
                             f"n/a: {ex['n/a']}" if "n/a" in ex else f"error: {ex.get('error')}")
                          + " |")

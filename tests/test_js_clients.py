@@ -54,7 +54,7 @@ def explore_exports(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in cache:
             out = base / name.replace(":", "_")
-            options = dict(device="cpu", formats=["onnx", "onnx_explore"], samples=200, stepped_steps=20)
+            options = dict(device="cpu", formats=["onnx", "onnx_deterministic", "onnx_explore"], samples=200, stepped_steps=20)
             if name.startswith("rllib:"):
                 convert_checkpoint(FIXTURES_DIR / "rllib" / "checkpoints" / name[6:] / "checkpoint", out, **options)
             else:
@@ -101,16 +101,30 @@ def test_model_explore_lists_every_input_and_samples(explore_exports, name):
 
 @pytest.mark.parametrize("runtime", JS_RUNTIMES)
 def test_js_runs_model_onnx_on_the_required_inputs(explore_exports, runtime, tmp_path):
-    """Every fixture's model.onnx in JavaScript: the session lists the contract's required inputs,
-    and fed those gives the golden (deterministic) outputs within the export's tolerances."""
-    cases = [(name, *read(explore_exports(name))) for name in EXPLORE_FIXTURES]
-    results = run_js(runtime, [(explore_exports(n) / "model.onnx", i) for n, _, i, _ in cases], tmp_path)
-    for (name, manifest, _, outputs), result in zip(cases, results):
+    """Every fixture's model.onnx (and model_deterministic.onnx, where the policy has one) in
+    JavaScript: the session lists the contract's required inputs, and fed those gives the golden
+    (deterministic) outputs within the export's tolerances."""
+    cases, requests = [], []
+    for name in EXPLORE_FIXTURES:
+        out = explore_exports(name)
+        manifest, inputs, outputs = read(out)
+        det = manifest["formats"].get("onnx_deterministic")
+        cases.append((name, manifest, outputs, det))
+        requests += [(out / "model.onnx", inputs)] + ([(out / "model_deterministic.onnx", inputs)] if det else [])
+    assert sum(c[3] is not None for c in cases) >= 5, "most of these policies have a deterministic model"
+    results = iter(run_js(runtime, requests, tmp_path))
+    for name, manifest, outputs, det in cases:
+        result = next(results)
         assert "error" not in result, f"{name}: {result.get('error')}"
         required = [s["key"] for s in manifest["contract"]["inputs"] if s["required"]]
         assert result["inputNames"] == required, name
         assert sorted(result["outputNames"]) == sorted(s["key"] for s in manifest["contract"]["outputs"]), name
         assert_close(manifest, result["outputs"], outputs, list(outputs), f"{runtime} {name} model.onnx")
+        if det:
+            result = next(results)
+            assert "error" not in result, f"{name} model_deterministic.onnx: {result.get('error')}"
+            assert result["inputNames"] == det["inputs"] and result["outputNames"] == det["outputs"], name
+            assert_close(manifest, result["outputs"], outputs, det["outputs"], f"{runtime} {name} model_deterministic.onnx")
 
 
 @pytest.mark.parametrize("runtime", JS_RUNTIMES)
