@@ -200,7 +200,7 @@ def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[
         return {}
     out = replay.check_candidate_paths(candidates)
     missing = [f for f in out if f not in doc["formats"]
-               and not getattr(registry.get(f), "candidate_without_export", False)]
+               and not registry.get(f).candidate_without_export]
     if missing:
         raise InputError(f"candidate format(s) {missing} are not formats of the export (it has "
                          f"{', '.join(doc['formats'])}); a candidate stands for one of them")

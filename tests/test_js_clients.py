@@ -162,11 +162,14 @@ def test_js_samples_with_model_explore(explore_exports, runtime, tmp_path):
         assert checks and all(c.passed for c in checks), [c.describe() for c in checks if not c.passed]
 
 
-def test_verify_refuses_a_candidate_whose_inputs_javascript_cannot_feed(explore_exports, capsys):
+def test_verify_refuses_a_candidate_whose_inputs_javascript_cannot_feed(explore_exports, exports, capsys):
     from policy_export.exporter.cli import main
 
     out = explore_exports("cartpole_mlp")
     assert main(["verify", str(out), "--candidate", f"onnx_explore={out / 'model_explore.onnx'}", "-q"]) == 0
+    _, without = exports("cartpole_mlp")  # the same policy, exported without the format
+    assert "onnx_explore" not in json.loads((without / "manifest.json").read_text())["formats"]
+    assert main(["verify", str(without), "--candidate", f"onnx_explore={out / 'model_explore.onnx'}", "-q"]) == 0
     assert main(["verify", str(out), "--candidate", f"onnx_explore={out / 'model.onnx'}", "-q"]) == 1
     captured = capsys.readouterr()
     assert "inputs ['explore', 'is_training', 'timestep'] are initializers holding defaults" in captured.out + captured.err

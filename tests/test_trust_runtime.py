@@ -241,11 +241,12 @@ def test_onnx_tensors_declaring_more_than_the_file_holds_are_refused_before_onnx
     assert info.value.exit_code == 2 and created == []
 
 
-def test_verify_refuses_a_candidate_declaring_a_gigabyte_it_does_not_hold(export, tmp_path):
+@pytest.mark.parametrize("fmt", ["onnx", "onnx_explore"])
+def test_verify_refuses_a_candidate_declaring_a_gigabyte_it_does_not_hold(export, tmp_path, fmt):
     path = sized_model(export, tmp_path / "big.onnx", "initializer_no_data")
-    proc = cli("verify", str(export), "--candidate", f"onnx={path}", "-q", "--report-json", str(tmp_path / "r.json"))
+    proc = cli("verify", str(export), "--candidate", f"{fmt}={path}", "-q", "--report-json", str(tmp_path / "r.json"))
     one_line_error(proc, 1, "verify failed: 1 problem(s)")
-    error = json.loads((tmp_path / "r.json").read_text())["errors"]["onnx candidate"]
+    error = json.loads((tmp_path / "r.json").read_text())["errors"][f"{fmt} candidate"]
     assert "tensor 'huge' declares 4000000000 bytes" in error and "refusing to load it" in error
 
 

@@ -54,6 +54,9 @@ class Format:
     order: int = 100  # position in export order
     capabilities: Capabilities = Capabilities()
     is_directory: bool = False
+    # ``verify --candidate NAME=PATH`` also where the export did not write this format: its runner
+    # needs nothing from the export's own file of it (the contract and the parity plan suffice)
+    candidate_without_export: bool = False
 
     def skip_reason(self, policy: Any) -> str | None:
         """Why this format cannot be written for ``policy`` (it is then skipped), or ``None``."""

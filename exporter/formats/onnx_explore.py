@@ -22,6 +22,7 @@ class OnnxExploreFormat(Format):
     path = EXPLORE_FILENAME
     order = 45
     capabilities = Capabilities(onnx=True, default=False)
+    candidate_without_export = True  # its runner needs the export's contract alone
 
     def skip_reason(self, policy) -> str | None:
         if not policy.defaults:
