@@ -46,21 +46,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def exports(tmp_path_factory):
-    """``exports(name)`` -> (ExportResult, path): each fixture exported once, on CPU, 1,000 samples."""
+def spec_exports(tmp_path_factory, label: str, options=None):
+    """``get(name)`` -> (ExportResult, path): each bundled fixture exported once, on CPU, under a
+    directory of its own (``label``), with ``options`` (keywords of ``export_spec``, or a function
+    of the fixture's name returning them)."""
     from policy_export.exporter import export_spec
 
     cache = {}
-    base = tmp_path_factory.mktemp("exports")
+    base = tmp_path_factory.mktemp(label)
 
     def get(name: str):
         if name not in cache:
-            out = base / name
-            cache[name] = (export_spec(FIXTURES_DIR / name, out, device="cpu"), out)
+            keywords = options(name) if callable(options) else dict(options or {})
+            cache[name] = (export_spec(FIXTURES_DIR / name, base / name, device="cpu", **keywords), base / name)
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """``exports(name)`` -> (ExportResult, path): each fixture exported once, on CPU, 1,000 samples."""
+    return spec_exports(tmp_path_factory, "exports")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, spec_exports
 
 EDGE = ["tflite", "tflite_int8", "onnx_int8", "onnx_fp16"]
 FIXTURES = ["cartpole_mlp", "pendulum_mlp", "cartpole_lstm", "dict_image_vector"]  # dict_image_vector: 32x32x3 image
@@ -24,20 +24,8 @@ def _litert():
 @pytest.fixture(scope="module")
 def edge_exports(tmp_path_factory):
     """Each fixture exported once with the edge formats (and the float ONNX models beside them)."""
-    from policy_export.exporter import export_spec
-
-    base = tmp_path_factory.mktemp("edge")
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            out = base / name
-            result = export_spec(FIXTURES_DIR / name, out, device="cpu", samples=500, explore_samples=4000,
-                                 formats=["saved_model", "onnx_deterministic", *EDGE])
-            cache[name] = (result, out)
-        return cache[name]
-
-    return get
+    return spec_exports(tmp_path_factory, "edge", {"samples": 500, "explore_samples": 4000,
+                                                   "formats": ["saved_model", "onnx_deterministic", *EDGE]})
 
 
 def _manifest(out):

@@ -10,7 +10,7 @@ import pytest
 
 ov = pytest.importorskip("openvino", reason="OpenVINO is not installed in this environment")
 
-from conftest import FIXTURES_DIR  # noqa: E402
+from conftest import FIXTURES_DIR, spec_exports  # noqa: E402
 
 FIXTURES = ["cartpole_mlp", "pendulum_mlp", "cartpole_lstm", "dict_image_vector", "tuple_action"]
 
@@ -18,20 +18,8 @@ FIXTURES = ["cartpole_mlp", "pendulum_mlp", "cartpole_lstm", "dict_image_vector"
 @pytest.fixture(scope="module")
 def ov_exports(tmp_path_factory):
     """Each fixture exported once with the SavedModel and both IR formats."""
-    from policy_export.exporter import export_spec
-
-    base = tmp_path_factory.mktemp("openvino")
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            out = base / name
-            result = export_spec(FIXTURES_DIR / name, out, device="cpu", samples=300, explore_samples=2000,
-                                 formats=["saved_model", "openvino", "openvino_bf16"])
-            cache[name] = (result, out)
-        return cache[name]
-
-    return get
+    return spec_exports(tmp_path_factory, "openvino", {"samples": 300, "explore_samples": 2000,
+                                                       "formats": ["saved_model", "openvino", "openvino_bf16"]})
 
 
 def _max_err(records, fmt: str, key: str) -> float:

@@ -9,27 +9,18 @@ import json
 import numpy as np
 import pytest
 
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, spec_exports
 
 FIXTURES = ["cartpole_mlp", "dict_image_vector", "cartpole_lstm", "tuple_action"]
 
 
 @pytest.fixture(scope="module")
 def triton_exports(tmp_path_factory):
-    from policy_export.exporter import export_spec
-
-    base = tmp_path_factory.mktemp("triton")
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            out = base / name
-            export_spec(FIXTURES_DIR / name, out, device="cpu", samples=200, explore_samples=2000,
-                        formats=["saved_model", "triton"], model_name=f"{name}-policy", model_version=3)
-            cache[name] = out
-        return cache[name]
-
-    return get
+    """``triton_exports(name)`` -> the path of the fixture's export with a Triton repository."""
+    get = spec_exports(tmp_path_factory, "triton", lambda name: {
+        "samples": 200, "explore_samples": 2000, "formats": ["saved_model", "triton"],
+        "model_name": f"{name}-policy", "model_version": 3})
+    return lambda name: get(name)[1]
 
 
 def _schema():
