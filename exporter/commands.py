@@ -265,7 +265,8 @@ def _inspect_checkpoint(args, console) -> int:
             rebuilt = f"not rebuilt: {e}"
         rows.append({"policy_id": policy.policy_id, "policy_class": policy.policy_class,
                      "observation_space": str(policy.original_observation_space or policy.observation_space),
-                     "action_space": str(policy.action_space), "weights": len(policy.weights),
+                     "action_space": str(policy.action_space), "weights": policy.weight_count,
+                     "framework": policy.framework,
                      "observation_filter": filter_record(policy.filter), "filter_note": policy.filter_note,
                      "network": rebuilt})
     if args.json:
@@ -431,8 +432,10 @@ def _convert_checkpoint(args, console, opts) -> int:
         console.print(parity_table(result.parity, f"policy {pid}: parity, {result.parity.samples} samples vs the "
                                                   f"rebuilt policy's TF session"))
         filt = source.get("observation_filter")
+        framework = " (framework tf2: its unnamed weights laid out in RLlib's variable order)" \
+            if source.get("framework") == "tf2" else ""
         console.print(f"  {escape(source['policy_class'])}: {escape(source['network'])} network, "
-                      f"{len(source['weights_used'])} weights; observation filter: "
+                      f"{len(source['weights_used'])} weights{framework}; observation filter: "
                       f"{escape(filt['class']) + ' (n=' + str(filt['count']) + ')' if filt else 'none'}; "
                       f"actions: {args.actions}", soft_wrap=True)
         if source.get("observation_filter_note"):

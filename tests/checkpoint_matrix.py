@@ -145,7 +145,8 @@ def _row(case: str, pid: str, export: Path, errors: dict[str, float], root: Path
     floats = max(v for k, v in errors.items() if k != "actions_0" and not k.endswith("units"))
     assert passes(errors), errors
     meta = case_record(case, root)["rllib_checkpoint"]
-    return (f"| {case} | {pid} | {meta['ray_version']} | {source['policy_class']} | {meta['type']}, {meta['format']} | "
+    return (f"| {case} | {pid} | {meta['ray_version']} | {source['policy_class']} | {source['framework']} | "
+            f"{meta['type']}, {meta['format']} | "
             f"{filt['class'] + (' clip ' + str(filt['clip']) if filt['clip'] else '') if filt else '-'} | "
             f"{action} | {floats:.1e} | {units:.2f} |")
 
@@ -159,9 +160,9 @@ def main(argv: list[str]) -> int:
 
     root = Path(argv[1]) if argv[:1] == ["--root"] else CHECKPOINTS
     quiet_libraries(False)
-    print("| checkpoint | policy id | ray | policy class | kind | filter | actions (environment's) "
+    print("| checkpoint | policy id | ray | policy class | framework | kind | filter | actions (environment's) "
           "| largest float error | of the tolerance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for case in sorted(p.name for p in root.iterdir() if (p / "case.json").is_file()):
             for pid in case_record(case, root)["policy_ids"]:

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from os import system
 from pathlib import Path
 
 import gymnasium as gym
@@ -33,7 +34,8 @@ def _case(name: str):
 
 def test_every_kind_of_checkpoint_is_here():
     kinds = {(_case(c)[1]["rllib_checkpoint"]["type"], _case(c)[1]["rllib_checkpoint"]["format"]) for c in CASES}
-    assert kinds == {("Algorithm", "cloudpickle"), ("Policy", "cloudpickle"), ("Policy", "msgpack")}
+    assert kinds == {("Algorithm", "cloudpickle"), ("Algorithm", "msgpack"), ("Policy", "cloudpickle"),
+                     ("Policy", "msgpack")}
     assert len(CASES) >= 9
 
 
@@ -47,7 +49,9 @@ def test_reads_what_rllib_wrote(name):
     for pid, policy in read.policies.items():
         obs = _raw_observations(expected, pid, policy)
         assert policy.observation_space.shape == obs.shape[-len(policy.observation_space.shape):]
-        assert policy.weights and all(w.dtype == np.float32 for w in policy.weights.values())
+        weights = policy.weight_list if case.get("framework") == "tf2" else list(policy.weights.values())
+        assert weights and all(w.dtype == np.float32 for w in weights)
+        assert policy.framework == case.get("framework", "tf")
         want = case["filters"][pid]
         if want is None:
             assert policy.filter is None
@@ -143,6 +147,38 @@ def test_a_function_pickled_by_value_is_never_built(tmp_path):
     assert not marker.exists()
 
 
+def test_a_class_pickled_by_value_is_never_built(tmp_path):
+    """RLlib pickles an eager DQN/SAC policy class by value: cloudpickle's skeleton of the class, its
+    functions' code and the globals they use. What those refer to stays a name (a record), and the
+    same global outside such a definition is still refused."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    marker = tmp_path / "ran"
+
+    class EagerPolicy:  # defined here, so cloudpickle writes it by value
+        where = str(marker)
+
+        def __init__(self):
+            system(f"touch {self.where}")
+
+        def __reduce__(self):
+            return system, (f"touch {self.where}",)
+
+    data = cloudpickle.dumps({"policy_class": EagerPolicy, "n": np.arange(3)})
+    assert b"_make_skeleton_class" in data and b"system" in data
+    state = loads(data, "state.pkl")
+    assert isinstance(state["policy_class"], Record) and state["policy_class"].args[1] == "EagerPolicy"
+    state["policy_class"]()  # a record: a call only builds another record
+    np.testing.assert_array_equal(state["n"], np.arange(3))
+    assert not marker.exists()
+    # a hand-made pickle calling os.system inside the arguments of cloudpickle's function builder
+    crafted = (b"cray.cloudpickle.cloudpickle\n_make_function\n(cos\nsystem\n(V" + f"touch {marker}".encode()
+               + b"\ntRtR.")
+    assert isinstance(loads(crafted, "state.pkl"), Record) and not marker.exists()
+    with pytest.raises(UnsafeCheckpointError, match="references os.system"):
+        loads(b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.", "state.pkl")
+    assert not marker.exists()
+
+
 def _reconstruct_pickle(shape) -> bytes:
     """A pickle that asks numpy's ``_reconstruct`` for an array of ``shape`` (protocol 2)."""
     return (b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\n" + pickle.dumps(shape, 2)[2:-1]
@@ -187,6 +223,9 @@ def test_a_symlinked_state_file_is_not_followed(copied, tmp_path):
 
 @pytest.mark.parametrize("state_file", ["../outside.pkl", "/etc/passwd", "sub/policy_state.pkl", 7])
 def test_metadata_pointing_elsewhere_is_refused(copied, state_file):
+    if state_file == "sub/policy_state.pkl":  # another file of the same name, inside the checkpoint
+        (copied / "sub").mkdir()
+        shutil.copy(copied / "policy_state.pkl", copied / "sub/policy_state.pkl")
     meta = json.loads((copied / "rllib_checkpoint.json").read_text())
     (copied / "rllib_checkpoint.json").write_text(json.dumps({**meta, "state_file": state_file}))
     with pytest.raises(UnsafeCheckpointError, match="state_file"):

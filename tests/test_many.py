@@ -54,7 +54,7 @@ def league_run(tmp_path_factory):
 def test_a_league_exports_every_policy_in_its_own_process(league_run):
     tmp, result, lines = league_run
     root = tmp / "root"
-    assert result.passed and [r["name"] for r in result.results] == ["cart", "multi_agent-beta", "multi_agent-alpha",
+    assert result.passed and [r["name"] for r in result.results] == ["cart", "multi_agent-alpha", "multi_agent-beta",
                                                                     "pend"]
     for r in result.results:
         doc = json.loads((root / r["name"] / "manifest.json").read_text())
@@ -74,7 +74,7 @@ def test_one_report_as_json_junit_and_markdown(league_run):
     assert doc["summary"] == {"policies": 4, "counts": {"passed": 4}, "failed": [], "seconds": doc["summary"]["seconds"],
                               "passed": True}
     suites = ET.fromstring(result.junit()).findall("testsuite")
-    assert [s.get("name") for s in suites] == ["cart", "multi_agent-beta", "multi_agent-alpha", "pend"]
+    assert [s.get("name") for s in suites] == ["cart", "multi_agent-alpha", "multi_agent-beta", "pend"]
     alpha = suites[2]
     assert {c.get("classname").split(".")[1].split(" ")[0] for c in alpha.findall("testcase")} == {"saved_model", "onnx"}
     assert all(c.find("failure") is None for s in suites for c in s.findall("testcase"))

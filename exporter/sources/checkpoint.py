@@ -1,17 +1,19 @@
 """RLlib checkpoints (ray 2.1-2.9, old API stack) read without Ray and without running a pickle.
 
 A checkpoint directory holds ``rllib_checkpoint.json`` (``type`` Algorithm or Policy, ``format``
-cloudpickle or msgpack, ``checkpoint_version``, ``policy_ids``), the state file
+cloudpickle or msgpack, ``checkpoint_version``, ``policy_ids``, ``state_file``), the state file
 (``algorithm_state.pkl`` or ``policy_state.pkl``/``.msgpck``) and, for an Algorithm,
 ``policies/<id>/`` with one Policy checkpoint per policy id. :func:`read_checkpoint` reads:
 
 - every file from inside the directory only, by its fixed name, opened without following a
   symbolic link and with a size limit checked first (:data:`STATE_LIMIT`); the ``state_file``
-  RLlib writes into the JSON (often the absolute path the checkpoint was first saved at) is never
-  opened, and a name there other than the expected state file is refused;
+  RLlib writes into the JSON (the path the checkpoint was first saved at: relative, absolute, or
+  stale after a move) is never opened, as RLlib's own ``get_checkpoint_info`` ignores it too, and
+  one that names another file is refused (:func:`_check_state_file`);
 - pickles through :mod:`exporter.sources.safe_pickle` (nothing is imported or called), msgpack
   with its numpy extension checked;
-- per policy: its weights (variable name -> float array), its spaces (rebuilt with gymnasium from
+- per policy: its weights (variable name -> float array; a ``framework("tf2")`` policy's unnamed
+  list as it is, in :attr:`CheckpointPolicy.weight_list`), its spaces (rebuilt with gymnasium from
   RLlib's own space dicts), its config, and its observation filter: the
   ``MeanStdObservationFilterAgentConnector`` state with connectors on, else the worker's filter in
   ``algorithm_state.pkl``; a Policy checkpoint written with connectors off carries no filter, and
@@ -29,7 +31,7 @@ import re
 import stat
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import gymnasium as gym
@@ -91,6 +93,18 @@ class CheckpointPolicy:
     global_timestep: int = 0
     filter: FilterState | None = None
     filter_note: str | None = None
+    # a framework("tf2") (eager) policy's weights: a list in the order of RLlib's model.variables(),
+    # ``weights`` then empty until the network is known
+    weight_list: list[np.ndarray] | None = None
+
+    @property
+    def framework(self) -> str:
+        """``tf`` (named weights) or ``tf2`` (eager: the weights a list)."""
+        return "tf" if self.weight_list is None else "tf2"
+
+    @property
+    def weight_count(self) -> int:
+        return len(self.weights) if self.weight_list is None else len(self.weight_list)
 
 
 @dataclass
@@ -163,13 +177,38 @@ def _metadata(root: Path, parts: tuple[str, ...] = ()) -> dict[str, Any]:
     if version not in VERSIONS:
         raise UnsafeCheckpointError(f"{where}: checkpoint_version {version!r} is not one of {', '.join(VERSIONS)} "
                                     "(ray 2.1-2.9, old API stack)")
-    expected = STATE_FILES[(kind, fmt)]
-    named = meta.get("state_file")
-    if named is not None and (not isinstance(named, str) or Path(named).name != expected
-                              or (not os.path.isabs(named) and named != expected)):
-        raise UnsafeCheckpointError(f"{where}: state_file {named!r} is not the checkpoint's own {expected}; "
-                                    "only that file, inside the checkpoint directory, is read")
+    _check_state_file(root.joinpath(*parts), meta.get("state_file"), STATE_FILES[(kind, fmt)], where)
     return meta
+
+
+def _check_state_file(directory: Path, named: Any, expected: str, where: Path) -> None:
+    """Check the ``state_file`` RLlib recorded; the file read is always ``directory/expected``.
+
+    RLlib writes ``os.path.join(<the directory given to save()>, "algorithm_state.pkl")`` for an
+    Algorithm (relative, absolute, or stale once the checkpoint is moved or copied) and the bare
+    name for a Policy; its ``get_checkpoint_info`` replaces the field with the directory's own file
+    before anything is read, and so does this reader: the path is never opened. Refused: a field
+    that is not a path, a path to a file of another name, and a path that names an existing file
+    inside the checkpoint other than its own state file (the metadata contradicting the directory).
+
+    Raises:
+        UnsafeCheckpointError: one of those, naming the field and the file that is read instead.
+    """
+    if named is None:
+        return
+    if not isinstance(named, str) or not named or "\0" in named:
+        raise UnsafeCheckpointError(f"{where}: state_file {named!r:.100} is not a path")
+    if PurePath(named).name != expected:
+        raise UnsafeCheckpointError(f"{where}: state_file {named!r} names another file than the checkpoint's own "
+                                    f"{expected}; only that file, inside the checkpoint directory, is read")
+    # where the path lands read from the checkpoint directory (a relative path may be relative to
+    # wherever the writer ran, so only a file that is really there contradicts the directory)
+    base = os.path.abspath(directory)
+    landed = os.path.normpath(named if os.path.isabs(named) else os.path.join(base, named))
+    inside = os.path.commonpath([base, landed]) == base
+    if inside and landed != os.path.join(base, expected) and os.path.lexists(landed):
+        raise UnsafeCheckpointError(f"{where}: state_file {named!r} names {landed}, another file inside the "
+                                    f"checkpoint than its own {expected}; only that one is read")
 
 
 def _state(root: Path, parts: tuple[str, ...], meta: dict[str, Any]) -> dict[str, Any]:
@@ -287,22 +326,30 @@ def worker_filter(algorithm_state: dict[str, Any], policy_id: str, where: str) -
 
 # ---------------------------------------------------------------------------------------- policies
 
-def _weights(state: dict[str, Any], where: str) -> dict[str, np.ndarray]:
+def _weights(state: dict[str, Any], where: str) -> tuple[dict[str, np.ndarray], list[np.ndarray] | None]:
+    """``(named weights, None)`` of a ``framework("tf")`` policy, or ``({}, the list)`` of an eager
+    (``framework("tf2")``) one, whose ``get_weights()`` has no names (named by
+    :mod:`exporter.sources.rllib_layout` once the network is known)."""
     weights = state.get("weights")
-    if isinstance(weights, list):
-        raise UnsafeCheckpointError(
-            f"{where}: the weights are a list without variable names, as a framework('tf2') (eager) policy "
-            "stores them; networks are rebuilt from named weights, which framework('tf') policies store: "
-            "train or restore the policy with framework('tf') and save it again")
+    if isinstance(weights, (list, tuple)):
+        if not weights:
+            raise UnsafeCheckpointError(f"{where} holds no weights")
+        return {}, [_numeric(f"#{i}", value, where) for i, value in enumerate(weights)]
     if not isinstance(weights, dict) or not weights:
         raise UnsafeCheckpointError(f"{where} holds no weights")
     out = {}
     for name, value in weights.items():
-        value = np.asarray(value) if isinstance(value, np.generic) else value  # SAC's log_alpha is a scalar
-        if not isinstance(name, str) or not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub":
+        if not isinstance(name, str):
             raise UnsafeCheckpointError(f"{where}: weight {name!r} is not a numeric array")
-        out[name] = value
-    return out
+        out[name] = _numeric(name, value, where)
+    return out, None
+
+
+def _numeric(name: str, value: Any, where: str) -> np.ndarray:
+    value = np.asarray(value) if isinstance(value, np.generic) else value  # SAC's log_alpha is a scalar
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub":
+        raise UnsafeCheckpointError(f"{where}: weight {name} is not a numeric array")
+    return value
 
 
 def _config(config: Any, where: str) -> dict[str, Any]:
@@ -320,19 +367,45 @@ def _config(config: Any, where: str) -> dict[str, Any]:
     return config
 
 
+# the suffixes RLlib's as_eager() and with_tracing() add to the name of an eager policy class
+EAGER_SUFFIXES = ("_eager_traced", "_traced", "_eager")
+CLASS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def policy_class_name(value: Any, where: str) -> str:
+    """The policy class a checkpoint names: a string; a class pickled by reference (a record type,
+    ``module.name``); or a class cloudpickle wrote by value (``_make_skeleton_class``, an eager
+    policy of ray 2.x: ``DQNTFPolicy_eager_traced``), read as its name without RLlib's eager suffixes.
+
+    Raises:
+        UnsafeCheckpointError: a class written by value whose name is not a plain identifier.
+    """
+    if isinstance(value, Record) and value.ref.rsplit(".", 1)[-1] == "_make_skeleton_class":
+        name = value.args[1] if len(value.args) > 1 else None
+        if not isinstance(name, str) or not CLASS_NAME.match(name):
+            raise UnsafeCheckpointError(f"{where}: the policy class is pickled by value under the name {name!r:.80}, "
+                                        "which is not a plain class name")
+        for suffix in EAGER_SUFFIXES:
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+        return name
+    # a class pickled by reference is a record type, an instance or a name carries it as ``ref``
+    is_record = isinstance(value, Record) or (isinstance(value, type) and issubclass(value, Record))
+    return value.ref if is_record else str(value)
+
+
 def policy_from_state(policy_id: str, state: dict[str, Any], where: str) -> CheckpointPolicy:
     spec = state.get("policy_spec")
     if not isinstance(spec, dict):
         raise UnsafeCheckpointError(f"{where}: no policy_spec (RLlib >= 2.1 writes one)")
     obs, act, original = _spaces(spec, where)
-    policy_class = spec.get("policy_class")
-    # a class pickled by reference is a record type, an instance or a name carries it as ``ref``
-    is_record = isinstance(policy_class, Record) or (isinstance(policy_class, type) and issubclass(policy_class, Record))
-    policy_class = policy_class.ref if is_record else str(policy_class)
+    policy_class = policy_class_name(spec.get("policy_class"), where)
     config = _config(spec.get("config"), where)
+    weights, weight_list = _weights(state, where)
     return CheckpointPolicy(policy_id=policy_id, policy_class=policy_class, observation_space=obs,
                             action_space=act, original_observation_space=original, config=config,
-                            weights=_weights(state, where), global_timestep=int(state.get("global_timestep") or 0),
+                            weights=weights, weight_list=weight_list,
+                            global_timestep=int(state.get("global_timestep") or 0),
                             filter=connector_filter(state, where))
 
 
@@ -357,6 +430,28 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
                                     f"{str(e)[:300]}") from None
 
 
+def _plain_policy_id(pid: Any, root: Path) -> None:
+    if not isinstance(pid, str) or not POLICY_ID.match(pid) or pid in (".", ".."):
+        raise UnsafeCheckpointError(f"{root}: policy id {pid!r:.80} is not a plain name")
+
+
+def _policy_dirs(root: Path) -> list[str] | None:
+    """The policy ids of an Algorithm checkpoint as RLlib's ``get_checkpoint_info`` finds them:
+    the entries of ``policies/`` (each then read through :func:`_read_inside`, which refuses a
+    link), sorted; None without that directory."""
+    where = root / "policies"
+    try:
+        info = os.lstat(where)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeCheckpointError(f"{where} is not a directory (a symbolic link is not followed)")
+    names = sorted(os.listdir(where))
+    if len(names) > 4096:
+        raise UnsafeCheckpointError(f"{where} holds {len(names)} entries, more than a checkpoint's policies")
+    return names
+
+
 def _read_checkpoint(path: Path) -> Checkpoint:
     root = Path(path)
     if root.is_symlink() or not root.is_dir():
@@ -372,10 +467,13 @@ def _read_checkpoint(path: Path) -> Checkpoint:
                                   "RLlib kept it in the Algorithm checkpoint's algorithm_state.pkl")
         result.policies[policy.policy_id] = policy
         return result
-    ids = meta.get("policy_ids") or sorted(state.get("worker", {}).get("policy_ids") or [])
+    for pid in meta.get("policy_ids") or []:
+        _plain_policy_id(pid, root)
+    ids = _policy_dirs(root)
+    if ids is None:  # no policies/ directory: the ids the checkpoint names, each of which must then be there
+        ids = meta.get("policy_ids") or sorted(state.get("worker", {}).get("policy_ids") or [])
     for pid in ids:
-        if not isinstance(pid, str) or not POLICY_ID.match(pid) or pid in (".", ".."):
-            raise UnsafeCheckpointError(f"{root}: policy id {pid!r} is not a plain name")
+        _plain_policy_id(pid, root)
         parts = ("policies", pid)
         pmeta = _metadata(root, parts)
         policy = policy_from_state(pid, _state(root, parts, pmeta), str(root.joinpath(*parts)))

@@ -41,7 +41,11 @@ import tensorflow as tf
 from policy_export.errors import ExportError
 from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterState
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
-from policy_export.exporter.sources.rllib_nets import NetWeights, ddpg_actor, fcnet, lstm_step, q_values, visionnet
+from policy_export.exporter.sources import rllib_layout as layout
+from policy_export.exporter.sources.rllib_layout import Layout, named_weights
+from policy_export.exporter.sources.rllib_nets import (
+    NetWeights, conv_filters, ddpg_actor, fcnet, lstm_step, q_values, visionnet,
+)
 from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
 from policy_export.policy.recurrent import SequenceGraph
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
@@ -462,7 +466,10 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
     kind = network_kind(policy)
     space, flatten = observation_space(policy)
     model = model_config(policy)
-    weights = NetWeights(policy.weights, f"checkpoint policy {policy.policy_id!r}")
+    where = f"checkpoint policy {policy.policy_id!r}"
+    named = policy.weights if policy.weight_list is None else \
+        named_weights(policy.weight_list, eager_layout(policy, kind), policy.policy_id, where)
+    weights = NetWeights(named, where)
     graph = tf.Graph()
     with graph.as_default(), tf.device(device):
         tf1.set_random_seed(0)  # sampled actions: the same export verdict on every run
@@ -505,6 +512,63 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
     return tf_policy, _record(policy, kind, model, weights, use_filter, actions)
 
 
+def eager_layout(policy: CheckpointPolicy, kind: str) -> Layout:
+    """``(name, shape)`` of every variable of the policy's RLlib model, in the order a
+    ``framework("tf2")`` policy's ``get_weights()`` lists them (``TFModelV2.variables()``: its
+    sub-models in the order RLlib's constructor sets them, Keras's order inside each).
+
+    Raises:
+        ExportError: a network whose eager variable order is not laid out (named).
+    """
+    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
+    model = model_config(policy)
+    obs = policy.observation_space
+    n = ActionDistribution.required_inputs(policy.action_space)
+
+    def base(config: dict[str, Any], num_outputs: int | None, name: str = "") -> tuple[Layout, int]:
+        if base_network(policy) == "vision":
+            return layout.visionnet(obs.shape, config, num_outputs, conv_filters(config, obs.shape), name)
+        return layout.fcnet(int(np.prod(obs.shape)), config, num_outputs, name)
+
+    with tf.Graph().as_default():
+        if kind == "actor_critic" and not model.get("use_lstm"):
+            return base(model, n)[0]
+        if kind == "actor_critic":
+            found, width = base(model, None)
+            width += (preprocessor_width(policy.action_space) if model.get("lstm_use_prev_action") else 0) + \
+                (1 if model.get("lstm_use_prev_reward") else 0)
+            return found + layout.lstm_wrapper(width, int(model["lstm_cell_size"]), n)
+        if kind == "q_learning":
+            config, actions = policy.config, int(policy.action_space.n)
+            hiddens = [int(h) for h in config.get("hiddens") or []]
+            if hiddens:
+                found, width = base(dict(model, no_final_linear=True), ([256] + list(model["fcnet_hiddens"] or []))[-1])
+            else:
+                found, width = base(model, actions)
+            return found + layout.q_heads(width, actions, hiddens, bool(config.get("dueling")),
+                                          int(config.get("num_atoms") or 1))
+        if kind == "soft_actor":
+            actor = {**MODEL_DEFAULTS, **(policy.config.get("policy_model_config") or {})}
+            q = {**MODEL_DEFAULTS, **(policy.config.get("q_model_config") or {})}
+            found = base(actor, n)[0]
+            discrete = isinstance(policy.action_space, gym.spaces.Discrete)
+            for name in ("q_net/", "twin_q_net/")[:2 if policy.config.get("twin_q", True) else 1]:
+                if discrete:
+                    found += base(q, int(policy.action_space.n), name)[0]
+                else:
+                    found += layout.fcnet(layout.q_model_width(obs, policy.action_space, where), q, 1, name)[0]
+            return found + [("log_alpha", ())]
+        if kind == "deterministic_actor":  # DDPG, TD3: the catalog net only with use_state_preprocessor
+            config, found = policy.config, []
+            width = int(np.prod(obs.shape))
+            if config.get("use_state_preprocessor"):
+                found, width = base(dict(model, no_final_linear=True), 256)
+            return found + layout.ddpg_heads(width, int(np.prod(policy.action_space.shape)),
+                                             config.get("actor_hiddens", [256, 256]) or [],
+                                             config.get("critic_hiddens", [256, 256]) or [], bool(config.get("twin_q")))
+    raise ExportError(f"{where}: a framework('tf2') {kind} policy's weights are not laid out; {FROM_RLLIB}")
+
+
 def _extras(deterministic: dict[str, tf.Tensor], net: _Net) -> dict[str, tf.Tensor]:
     return {k: deterministic[k] for k in net.extras}
 
@@ -524,7 +588,8 @@ def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights:
     unused = sorted(f"{scope}{n}" for n in weights.arrays if f"{scope}{n}" not in used)
     filt = filter_record(policy.filter)
     return {
-        "policy_id": policy.policy_id, "policy_class": policy.policy_class, "network": kind,
+        "policy_id": policy.policy_id, "policy_class": policy.policy_class, "framework": policy.framework,
+        "network": kind,
         "base_network": base_network(policy),
         "model": {k: model.get(k) for k in MODEL_DEFAULTS},
         "weights_used": sorted(used), "weights_not_in_the_served_graph": unused,

@@ -13,7 +13,10 @@ kinds:
   protocols 0-2 store bytes);
 - **inert records** (:data:`INERT_PREFIXES`, :data:`INERT_NAMES`): references into RLlib
   (``ray.``), cloudpickle's function builders, gymnasium/gym spaces, ``packaging.version``, Keras
-  and TensorFlow (an eager policy's optimizer state) and ``functools.partial``. They become
+  and TensorFlow (an eager policy's optimizer state) and ``functools.partial``; and every global
+  inside the arguments of cloudpickle's builders of a class or function pickled by value
+  (:data:`BY_VALUE_BUILDERS`: RLlib writes an eager DQN or SAC policy class so), where the pickle
+  holds code and the names it uses, which stay names. They become
   :class:`Record` objects that keep the reference, the arguments and the state they were given;
   nothing is imported, a "call" only builds another record, and no function or code object is
   ever made. Spaces are rebuilt from a record's fields by :mod:`exporter.sources.checkpoint`;
@@ -50,6 +53,11 @@ NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.
 DEFAULTDICT_FACTORIES = (int, float, list, dict, set, str)
 # single globals read as inert records too (a framework("tf2") optimizer state wraps callables in them)
 INERT_NAMES = {("functools", "partial")}
+# cloudpickle's builders of a class or function pickled by value (an eager policy class RLlib made
+# with build_tf_policy: DQN's, SAC's... ``as_eager().with_tracing()``): inside their arguments the
+# pickle holds the class's functions, their code and the globals they use, read as names only
+BY_VALUE_BUILDERS = ("_make_skeleton_class", "_class_setstate", "_make_function", "_function_setstate",
+                     "_make_skeleton_enum")
 
 
 class Record:
@@ -233,12 +241,19 @@ class RestrictedUnpickler(pickle._Unpickler):
         if (module, name) in REBUILDERS:
             return REBUILDERS[(module, name)]
         if module.startswith(INERT_PREFIXES) or module in {p.rstrip(".") for p in INERT_PREFIXES} \
-                or (module, name) in INERT_NAMES:
+                or (module, name) in INERT_NAMES or self._inside_code_by_value():
             return _record_type(f"{module}.{name}")
         raise UnsafeCheckpointError(
             f"{self.where} references {module}.{name}, which is not on the allowlist of what a checkpoint "
             "may rebuild (numpy arrays and dtypes, collections, builtin numbers; RLlib, cloudpickle, spaces "
             "and packaging.version only as inert records); nothing was run")
+
+    def _inside_code_by_value(self) -> bool:
+        """True while the pickle builds the arguments of one of cloudpickle's :data:`BY_VALUE_BUILDERS`
+        (itself an inert record, pushed before its arguments): what such code refers to is a name."""
+        return any(isinstance(item, type) and issubclass(item, Record)
+                   and item.ref.rsplit(".", 1)[-1] in BY_VALUE_BUILDERS and item.ref.startswith(INERT_PREFIXES)
+                   for frame in (self.stack, *self.metastack) for item in frame)
 
     def persistent_load(self, pid):
         raise UnsafeCheckpointError(f"{self.where} uses a persistent id ({pid!r}); a checkpoint never does")
