@@ -479,10 +479,36 @@ def pin_bool(graph_def: tf1.GraphDef, name: str, value: bool) -> None:
 
 
 def fold_constant_switches(graph_def: tf1.GraphDef) -> int:
-    """Remove the branches of TF1 ``tf.cond`` (``Switch``/``Merge``) whose predicate is a constant,
-    in place: the untaken side's nodes go, each such ``Switch`` becomes an ``Identity`` of its
-    data and each ``Merge`` left with one live input an ``Identity`` of it. Returns how many
-    switches were folded (0: nothing changed)."""
+    """Remove the branches of ``tf.cond`` whose predicate is a constant, in place: TF2's functional
+    ``If``/``StatelessIf`` (a graph built with TensorFlow's v2 control flow, as RLlib's is when
+    TensorFlow was imported before RLlib) become the taken branch's body
+    (:func:`inline_constant_ifs`); of TF1's ``Switch``/``Merge``, the untaken side's nodes go, each
+    such ``Switch`` becomes an ``Identity`` of its data and each ``Merge`` left with one live input
+    an ``Identity`` of it. Returns how many conditionals were folded (0: nothing changed)."""
+    inlined = inline_constant_ifs(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    const_of = _bool_constants(graph_def)
+    taken = {n.name: const_of(n.input[1]) for n in graph_def.node
+             if n.op in ("Switch", "RefSwitch") and const_of(n.input[1]) is not None}
+    if not taken:
+        return inlined
+    dead_outputs = {f"{name}:{0 if value else 1}" for name, value in taken.items()}
+    dead: set[str] = set()
+
+    def is_dead_input(inp: str) -> bool:
+        src, port, control = _split_input(inp)
+        return src in dead or (not control and f"{src}:{port}" in dead_outputs)
+
+    _mark_dead(graph_def, nodes, dead, is_dead_input)
+    keep = _rewrite_live(graph_def, dead, taken, is_dead_input)
+    del graph_def.node[:]
+    graph_def.node.extend(keep)
+    return inlined + len(taken)
+
+
+def _bool_constants(graph_def: tf1.GraphDef):
+    """A function of a node input: the bool it is when it is a scalar bool ``Const`` (through
+    ``Identity`` nodes), else ``None``."""
     nodes = {n.name: n for n in graph_def.node}
     constant = {}
     for node in graph_def.node:
@@ -499,22 +525,68 @@ def fold_constant_switches(graph_def: tf1.GraphDef) -> int:
             src = _split_input(nodes[src].input[0])[0]
         return constant.get(src)
 
-    taken = {n.name: const_of(n.input[1]) for n in graph_def.node
-             if n.op in ("Switch", "RefSwitch") and const_of(n.input[1]) is not None}
-    if not taken:
-        return 0
-    dead_outputs = {f"{name}:{0 if value else 1}" for name, value in taken.items()}
-    dead: set[str] = set()
+    return const_of
 
-    def is_dead_input(inp: str) -> bool:
-        src, port, control = _split_input(inp)
-        return src in dead or (not control and f"{src}:{port}" in dead_outputs)
 
-    _mark_dead(graph_def, nodes, dead, is_dead_input)
-    keep = _rewrite_live(graph_def, dead, taken, is_dead_input)
-    del graph_def.node[:]
-    graph_def.node.extend(keep)
-    return len(taken)
+FUNCTIONAL_IFS = ("If", "StatelessIf")
+
+
+def inline_constant_ifs(graph_def: tf1.GraphDef) -> int:
+    """Replace every ``If``/``StatelessIf`` whose predicate is a constant by the body of the branch
+    it takes, in place, until none is left (a branch may hold another): the body's nodes are added
+    under ``<if>/<branch function>/``, reading the ``If``'s inputs where the function read its
+    arguments, and the ``If`` node becomes an ``IdentityN`` of the branch's results under its own
+    name, so every consumer still reads ``<if>:i``. Returns how many were inlined.
+
+    Raises:
+        ExportError: a branch function the graph's library does not hold.
+    """
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph_def
+
+    count = 0
+    while True:
+        const_of = _bool_constants(graph_def)
+        node = next((n for n in graph_def.node if n.op in FUNCTIONAL_IFS and n.input
+                     and const_of(n.input[0]) is not None), None)
+        if node is None:
+            return count
+        branch = node.attr["then_branch" if const_of(node.input[0]) else "else_branch"].func.name
+        functions = {f.signature.name: f for f in graph_def.library.function}
+        if branch not in functions:
+            raise ExportError(f"{node.name}: its branch function {branch!r} is not in the graph's library")
+        fdef = functions[branch]
+        body, flat = function_def_to_graph_def(fdef)
+        data = [i for i in node.input[1:] if not i.startswith("^")]
+        controls = [i for i in node.input if i.startswith("^")]
+        args = {arg.name: data[i] for i, arg in enumerate(fdef.signature.input_arg)}
+        prefix = f"{node.name}/{branch}/"
+
+        def outer(inp: str) -> str:
+            src, port, control = _split_input(inp)
+            if src in args:
+                return f"^{_split_input(args[src])[0]}" if control else args[src]
+            return f"^{prefix}{src}" if control else f"{prefix}{src}:{port}"
+
+        added = []
+        for inner in body.node:
+            if inner.name in args:  # an argument: the If's input stands in for it
+                continue
+            copy = tf1.NodeDef()
+            copy.CopyFrom(inner)
+            copy.name = prefix + inner.name
+            del copy.input[:]
+            copy.input.extend([outer(i) for i in inner.input] or controls)
+            added.append(copy)
+        results = [outer(flat[fdef.ret[arg.name]]) for arg in fdef.signature.output_arg]
+        results += [f"^{prefix}{fdef.control_ret[name]}" for name in fdef.signature.control_output]
+        types = [t for t in node.attr["Tout"].list.type]
+        node.op = "IdentityN"
+        del node.input[:]
+        node.input.extend(results + controls)
+        node.ClearField("attr")
+        node.attr["T"].list.type.extend(types)
+        graph_def.node.extend(added)
+        count += 1
 
 
 def _mark_dead(graph_def, nodes: dict, dead: set, is_dead_input) -> None:

@@ -122,3 +122,56 @@ def test_a_loop_that_never_ends_is_left_as_it_is_within_the_timeout(loops, monke
     before = graph.as_graph_def()
     after = tfgraph.converter_rewrites(before)
     assert [n.name for n in after.node] == [n.name for n in before.node]
+
+
+def _functional_cond_graph():
+    """A graph built with TF's v2 control flow (as RLlib's is when TensorFlow was imported before
+    it): a two-output ``If`` on ``explore`` whose true branch holds another ``If`` on the same
+    switch, and whose false branch returns one argument unchanged."""
+    from tensorflow.python.ops import control_flow_util
+
+    graph = tf.Graph()
+    enabled = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = True
+    try:
+        with graph.as_default():
+            x = tf1.placeholder(tf.float32, (None, 3), name="x")
+            explore = tf1.placeholder_with_default(True, (), name="explore")
+            noisy = x + tf.random.normal(tf.shape(x))
+
+            def sampled():
+                inner = tf.cond(explore, lambda: noisy * 2.0, lambda: noisy - 1.0)
+                return inner, tf.reduce_sum(inner, axis=1)
+
+            a, b = tf.cond(explore, sampled, lambda: (x, tf.reduce_max(x, axis=1)))
+            tf.identity(a, name="a")
+            tf.identity(b, name="b")
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = enabled
+    return graph.as_graph_def()
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_a_functional_if_on_a_pinned_switch_becomes_its_branch(value):
+    graph_def = _functional_cond_graph()
+    assert sum(n.op in tfgraph.FUNCTIONAL_IFS for n in graph_def.node) == 1
+    tfgraph.pin_bool(graph_def, "explore", value)
+    assert tfgraph.fold_constant_switches(graph_def) == (2 if value else 1)  # the inner If too
+    assert not any(n.op in tfgraph.FUNCTIONAL_IFS for n in graph_def.node)
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    a, b = _run(graph_def, ["a:0", "b:0"], {"x:0": x})  # one run: one draw of the noise
+    if value:  # sampled: noise differs per run, the structure does not
+        assert a.shape == (5, 3) and not np.allclose(a, 2 * x)
+        np.testing.assert_allclose(b, a.sum(axis=1), rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(a, x)
+        np.testing.assert_array_equal(b, x.max(axis=1))
+        kept = tf1.graph_util.extract_sub_graph(graph_def, ["a", "b"])
+        assert not any(n.op == "RandomStandardNormal" for n in kept.node)  # the untaken side is gone
+
+
+def test_a_functional_if_on_a_runtime_value_is_left_alone():
+    graph_def = _functional_cond_graph()
+    before = graph_def.SerializeToString()
+    assert tfgraph.fold_constant_switches(graph_def) == 0
+    assert graph_def.SerializeToString() == before

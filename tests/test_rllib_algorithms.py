@@ -18,9 +18,13 @@ pytestmark = pytest.mark.slow
 
 # What cannot be made or run yet, per case: the formats that may fail or be missing. Anything
 # else must be written and reproduce RLlib within 1e-5 (discrete actions identical).
+# DDPG's Ornstein-Uhlenbeck noise keeps state between calls: exploration is refused
+STATEFUL_EXPLORATION = {case for case in rllib_matrix.cases()
+                        if rllib_matrix.load_case(*case)[0].get("exploration_class") == "OrnsteinUhlenbeckNoise"}
 KNOWN_GAPS = {
     ("legacy_algos", "r2d2"): {"onnx_deterministic"},  # recurrent: no separate deterministic model
-    ("legacy_algos", "ddpg"): {"onnx_deterministic"},  # explore refused: model.onnx is deterministic
+    # explore refused: model.onnx is deterministic
+    **{case: {"onnx_deterministic"} for case in STATEFUL_EXPLORATION},
 }
 NOT_CONVERTED = {
     ("keras_algos", "dqn"),  # RLlib's Keras model holds the base network only, not the Q head
@@ -85,12 +89,32 @@ def test_every_legacy_export_is_written_whole(rows):
 def test_stateful_exploration_is_refused_with_the_reason(rows):
     """DDPG's Ornstein-Uhlenbeck noise keeps state between calls: the export serves RLlib's
     deterministic path, has no explore input, and its manifest says why."""
-    ddpg = rows[("legacy_algos", "ddpg")]
-    assert "explore" not in ddpg["inputs"] and "ou_state" in ddpg["explore_refused"]
-    assert ddpg["formats"]["saved_model"]["errors"]["actions"] <= rllib_matrix.ATOL
+    assert {name for _, name in STATEFUL_EXPLORATION} >= {"ddpg", "ddpg_ou", "ddpg_tf_first"}
+    for case in STATEFUL_EXPLORATION:
+        ddpg = rows[case]
+        assert "explore" not in ddpg["inputs"] and "ou_state" in ddpg["explore_refused"], case
+        assert ddpg["formats"]["saved_model"]["errors"]["actions"] <= rllib_matrix.ATOL
     for name, row in rows.items():
-        if name[1] != "ddpg" and "failed" not in row:
+        if name not in STATEFUL_EXPLORATION and "failed" not in row:
             assert row["explore_refused"] is None, name
+
+
+def test_tensorflow_imported_before_rllib_gives_functional_conds(rows):
+    """A script that imports TensorFlow before RLlib leaves TF's v2 control flow on: RLlib's
+    tf.cond are functional If ops (no Switch). Those exports convert whole and reproduce RLlib,
+    the explore switch folded through the If (DDPG: the deterministic path without the noise
+    state's update; DQN: explore kept, greedy by default)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    cases = [c for c in rllib_matrix.cases() if rllib_matrix.load_case(*c)[0].get("tensorflow_imported_first")]
+    assert {name for _, name in cases} >= {"ddpg_tf_first", "dqn_tf_first"}
+    for route, name in cases:
+        model = saved_model_pb2.SavedModel()
+        model.ParseFromString((rllib_matrix.FIXTURES / route / name / "saved_model/saved_model.pb").read_bytes())
+        ops = {n.op for n in model.meta_graphs[0].graph_def.node}
+        assert ops & {"If", "StatelessIf"} and not ops & {"Switch", "Merge"}, (name, sorted(ops))
+        assert "failed" not in rows[(route, name)] and rows[(route, name)]["missing"] == {}
+    assert "explore" in rows[("legacy_algos", "dqn_tf_first")]["inputs"]
 
 
 def _greedy_share(run, obs: np.ndarray, timestep: int, n: int = 3000) -> float:
