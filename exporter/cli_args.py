@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show library logs and tracebacks")
     _export_parser(sub, common)
     _verify_parser(sub, common)
+    _serve_parser(sub, common)
     _inspect_parser(sub, common)
     _diff_parser(sub, common)
     _convert_parser(sub, common)
@@ -166,9 +167,30 @@ def _verify_parser(sub, common) -> None:
     ve.add_argument("--candidate", action="append", default=[], metavar="FORMAT=PATH",
                     help="check a model file transformed downstream (e.g. onnx=model.opt.onnx) against the "
                          "export's stored parity plan instead of the export's own formats; repeatable")
+    ve.add_argument("--server", choices=("triton",), default=None,
+                    help="also serve the export with a real Triton server (the serve extra) on free ports of "
+                         "127.0.0.1 and check it through Triton's HTTP and gRPC clients, a row per protocol")
     _parity_options(ve, 0)
     _run_timeout_option(ve)
     _quiet_option(ve)
+
+
+def _serve_parser(sub, common) -> None:
+    se = sub.add_parser("serve", parents=[common],
+                        help="serve an export with a real Triton Inference Server (HTTP and gRPC) until Ctrl-C")
+    se.add_argument("out", metavar="OUT", help="export directory")
+    se.add_argument("--port", type=int, default=D.SERVE_HTTP_PORT, metavar="N",
+                    help=f"HTTP port (default {D.SERVE_HTTP_PORT})")
+    se.add_argument("--grpc-port", type=int, default=D.SERVE_GRPC_PORT, metavar="N",
+                    help=f"gRPC port (default {D.SERVE_GRPC_PORT})")
+    se.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    se.add_argument("--model-name", default="policy", metavar="NAME",
+                    help="the batched model's name; the sampling model is NAME_explore (default policy)")
+    se.add_argument("--max-batch-size", type=int, default=D.TRITON_MAX_BATCH_SIZE, metavar="N",
+                    help=f"most rows one batch of the batched model holds (default {D.TRITON_MAX_BATCH_SIZE})")
+    se.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                    help="where the export's model runs (default auto: the GPU where one is visible)")
 
 
 def _inspect_parser(sub, common) -> None:

@@ -172,7 +172,8 @@ def cmd_verify(args, console) -> int:
                          tolerances=_tolerances(args, Tolerances.from_json(doc["tolerances"])),
                          expect_manifest_sha256=args.expect_manifest_sha256,
                          candidates=parse_candidates(args.candidate), localize=args.localize,
-                         progress=args.progress, run_timeout=args.run_timeout, **_behaviour_option(args))
+                         progress=args.progress, run_timeout=args.run_timeout, server=args.server,
+                         **_behaviour_option(args))
     _check_report_paths(args, args.out)
     candidates = opts.candidates
     _heavy_imports(args)
@@ -203,6 +204,34 @@ def cmd_verify(args, console) -> int:
         return EXIT_CHECK_FAILED
     what = "every candidate matches its plan" if candidates else "every format matches"
     console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, {what}")
+    return EXIT_OK
+
+
+def cmd_serve(args, console) -> int:
+    from policy_export.exporter.options import check_model_name
+
+    check_model_name(args.model_name)
+    _heavy_imports(args)
+    from policy_export.exporter.serve.server import TritonServer, serve_forever
+
+    server = TritonServer.start(args.out, http_port=args.port, grpc_port=args.grpc_port, host=args.host,
+                                model_name=args.model_name, max_batch_size=args.max_batch_size,
+                                device=args.device)
+
+    def ready() -> None:
+        for model in server.models:
+            batching = f"batched, up to {model.max_batch_size} rows" if model.batched else "not batched"
+            inputs = ", ".join(f"{w.key}{' (optional)' if w.optional else ''}" for w in model.inputs)
+            console.print(f"model {escape(model.name)} ({batching}): inputs {escape(inputs)}; outputs "
+                          f"{escape(', '.join(w.key for w in model.outputs))}", soft_wrap=True, highlight=False)
+        ends = server.endpoints()
+        console.print(f"HTTP  http://{ends['http']}/v2/models/{escape(server.models[0].name)}/infer", highlight=False)
+        console.print(f"gRPC  {ends['grpc']}", highlight=False)
+        console.print(f"ready: serving {escape(args.out)} through {server.engine.format} (Ctrl-C to stop)",
+                      highlight=False)
+
+    serve_forever(server, ready)
+    console.print("stopped", highlight=False)
     return EXIT_OK
 
 

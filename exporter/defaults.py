@@ -13,6 +13,7 @@ EXPORT_SEED = 0  # seed of export's parity samples
 VERIFY_SEED = 1  # seed of verify's fresh samples
 DEFAULT_EXTERNAL_DATA_THRESHOLD = 1 << 30  # ONNX weight bytes above which they go to an external data file
 TRITON_MAX_BATCH_SIZE = 256  # max_batch_size of a Triton model that batches
+SERVE_HTTP_PORT, SERVE_GRPC_PORT = 8000, 8001  # `serve`: Triton's own defaults
 DEFAULT_STEPS = 200  # consecutive steps of stepped parity (recurrent policies)
 DEFAULT_SEQUENCES = 4  # independent sequences stepped in parallel
 DEFAULT_RETURN_TOLERANCE = 0.05  # rollout: largest relative difference of a lossy format's mean return

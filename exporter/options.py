@@ -187,8 +187,11 @@ class VerifyOptions:
     progress: Progress | None = None
     behaviour: Mapping[str, Mapping[str, float]] | None = None
     run_timeout: float | None = None
+    server: str | None = None  # "triton": also serve the export and check it through the server's clients
 
     def __post_init__(self):
+        if self.server not in (None, "triton"):
+            raise InputError(f"server {self.server!r} is not one of: triton")
         check_count("samples", self.samples, 0, MAX_SAMPLES)
         check_count("seed", self.seed, 0, MAX_SEED)
         check_count("batch_size", self.batch_size, 1)

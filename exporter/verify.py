@@ -73,6 +73,9 @@ def verify_export(out: str | Path, options: VerifyOptions | None = None, *, mani
     (``report.localization``; see :mod:`exporter.parity.localize`). ``progress`` is told each stage
     as it runs; ``run_timeout``: seconds one call into a runtime may take (default 600): a format
     or candidate that takes longer is stopped and fails with :class:`~errors.RunTimeoutError`.
+    ``server="triton"`` also serves the export with a real Triton server (the ``serve`` extra) on
+    free ports of 127.0.0.1 and replays the plan through its HTTP and gRPC clients
+    (:mod:`exporter.serve.check`), a report row per protocol and output.
 
     Raises:
         ExportError: ``out`` is not an export.
@@ -146,6 +149,10 @@ class _Verify:
         else:
             formats = [f for f in self.doc["formats"] if f not in report.errors]
             replay.check_formats(self.out, formats, self.doc, self.device, checks, report, collect_errors=True)
+        if self.opts.server is not None:
+            from policy_export.exporter.serve.check import check_server
+
+            notes += check_server(self.out, self.doc, self.opts.server, checks, report, self.device)
         if self.opts.samples > 0 and not report.errors:
             notes.append(self._fresh_samples(checks))
         if self.opts.localize:
