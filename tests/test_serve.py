@@ -30,7 +30,7 @@ from policy_export.exporter.verify import verify_export  # noqa: E402
 from policy_export.signatures.contract import Contract  # noqa: E402
 
 pytestmark = pytest.mark.serve
-FORMATS = ["saved_model", "onnx"]
+FORMATS = ["saved_model", "onnx", "triton"]
 CHECKPOINTS = FIXTURES_DIR / "rllib" / "checkpoints"
 
 
@@ -62,6 +62,16 @@ def test_verify_against_a_live_triton_server(served_exports, name):
     errors = _server_rows(result, "grpc")
     assert 0 <= max(errors.values()) <= 1e-5
     assert any("server: Triton" in note for note in result.notes)
+    # the written triton/ repository on tritonserver itself (Python backend standing in for ONNX Runtime's)
+    for protocol in ("http", "grpc"):
+        rows = [r for r in result.parity.records if r.format.startswith(f"triton-repository/{protocol}")]
+        assert rows and all(r.passed for r in rows), protocol
+        if name == "cartpole_lstm":  # the sequence batcher, START and the state kept per sequence
+            assert all("stepped" in r.format for r in rows)
+            assert {r.key for r in rows} >= {"actions_0", "action_dist_inputs"}
+        else:
+            assert {r.key for r in rows} >= {"actions_0", "action_dist_inputs"}
+    assert any("tritonserver loaded" in note for note in result.notes)
 
 
 def test_a_converted_rllib_checkpoint_served(tmp_path):
@@ -76,6 +86,30 @@ def test_a_converted_rllib_checkpoint_served(tmp_path):
     assert result.passed, [r.describe() for r in result.parity.failures()]
     assert {"prev_action", "prev_reward"} <= {s.key for s in Contract.from_json(read_manifest(out)["contract"]).inputs}
     assert max(_server_rows(result, "http").values()) <= 1e-5
+    assert any(r.format.startswith("triton-repository/grpc (stepped") for r in result.parity.records)
+
+
+def test_tritonserver_applies_its_own_load_rules_to_a_repository(served_exports, tmp_path):
+    """The real server refuses what Triton refuses: an empty reshape of a scalar input in a model
+    that does not batch (the rule the written configs follow), named from the server's log."""
+    import shutil
+
+    from policy_export.errors import ExportError
+    from policy_export.exporter.serve.repository import RepositoryServer
+
+    _, out = served_exports("cartpole_mlp")
+    bad = tmp_path / "triton"
+    shutil.copytree(out / "triton", bad)
+    config = bad / "cartpole_mlp_explore" / "config.pbtxt"
+    text = config.read_text()
+    assert 'name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]' in text
+    config.write_text(text.replace('name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]',
+                                   'name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]\n    reshape: { shape: [ ] }'))
+    with pytest.raises(ExportError, match="cannot have empty reshape for non-batching model"):
+        with RepositoryServer(bad):
+            pass
+    with RepositoryServer(out / "triton") as server:  # the repository as written loads
+        assert sorted(server.models) == ["cartpole_mlp", "cartpole_mlp_explore"]
 
 
 @pytest.fixture(scope="module")

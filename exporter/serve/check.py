@@ -43,15 +43,34 @@ class ServerTarget(Format):
         return [k for k in contract.output_keys if k in served]
 
 
+def run_target(target: Format, out: Path, doc: Mapping[str, Any], replay, report, device: Any) -> None:
+    """Replay the plan on ``target``; an error a server or its client raises (a request the
+    server refused, a timeout) fails that target's check with the message instead of stopping verify."""
+    from policy_export.errors import PolicyExportError
+
+    try:
+        with replay.stage(target.name, target):
+            target.check(target.name, out, doc, device, replay, report)
+    except (PolicyExportError, OSError) as e:
+        report.errors[target.name] = f"{type(e).__name__}: {str(e)[:500]}"
+    except Exception as e:  # tritonclient's InferenceServerException and the like
+        if type(e).__module__.split(".")[0] not in ("tritonclient", "grpc", "geventhttpclient"):
+            raise
+        report.errors[target.name] = f"the server answered: {str(e)[:500]}"
+
+
 def check_server(out: Path, doc: Mapping[str, Any], kind: str, replay, report, device: Any) -> list[str]:
     """Start a ``kind`` server on the export (free ports on 127.0.0.1), replay the plan through each
     protocol's client into ``report``, stop it; returns notes for the verify report."""
     contract = Contract.from_json(doc["contract"])
     with TritonServer.start(out, http_port=free_port(), grpc_port=free_port()) as server:
         for protocol in PROTOCOLS:
-            target = ServerTarget(server, protocol, contract)
-            with replay.stage(target.name, target):
-                target.check(target.name, out, doc, device, replay, report)
+            run_target(ServerTarget(server, protocol, contract), out, doc, replay, report, device)
         models = ", ".join(f"{m.name} ({'batched' if m.batched else 'not batched'})" for m in server.models)
-        return [f"server: Triton ({kind}) on 127.0.0.1 serving {models} through {server.engine.format}, checked "
-                f"over {' and '.join(PROTOCOLS)}"]
+    notes = [f"server: Triton ({kind}) on 127.0.0.1 serving {models} through {server.engine.format}, checked "
+             f"over {' and '.join(PROTOCOLS)}"]
+    if "triton" in doc["formats"] and "triton" not in report.errors:  # the written repository too
+        from policy_export.exporter.serve.repository import check_repository
+
+        notes += check_repository(out, doc, replay, report, device)
+    return notes

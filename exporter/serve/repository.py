@@ -1,0 +1,304 @@
+"""The export's written ``triton/`` repository on a real ``tritonserver``, its own config checks
+included: the binary PyTriton's wheel ships, which has the Python backend only, so each model's
+``backend: "onnxruntime"`` is swapped for ``backend: "python"`` in a copy of the repository, with
+:mod:`exporter.serve.standin_model` beside each ``model.onnx`` doing what the ONNX Runtime
+backend does. Everything else (names, data types, dims, reshapes, optional inputs, the dynamic
+batcher, the sequence batcher with its ``START`` control and state) is the written config.
+
+What a stand-in cannot show, and stays checked by schema and load rules alone
+(:mod:`exporter.formats.triton`): the ONNX Runtime backend's own checks of the config against the
+model, and its implicit state (the Python backend does not carry state, so the stand-in keeps it
+by correlation id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policy_export.errors import ExportError, InputError
+from policy_export.exporter.formats.base import Capabilities, Format
+from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.exporter.serve.client import PROTOCOLS, WIRE_TYPES, client_module
+from policy_export.exporter.serve.server import HOST, INSTALL_HINT, free_port
+from policy_export.signatures.contract import Contract
+from policy_export.signatures.keys import SEQ_LENS, is_state_out, state_in_key, state_out_key
+
+BACKEND = re.compile(r'^backend:\s*"onnxruntime"\s*$', re.M)
+READY_TIMEOUT_S = 120.0
+
+
+def _pytriton_dir() -> Path:
+    try:
+        import pytriton
+    except ImportError as e:
+        raise InputError(f"a Triton server needs PyTriton's tritonserver ({e}); {INSTALL_HINT}") from None
+    return Path(pytriton.__file__).parent
+
+
+def stand_in_repository(repository: Path, target: Path) -> list[str]:
+    """Copy ``repository`` (an export's ``triton/``) to ``target`` with every model on the Python
+    backend and the stand-in beside each ``model.onnx``; returns the model names.
+
+    Raises:
+        ExportError: a config that does not name the ONNX Runtime backend.
+    """
+    shutil.copytree(repository, target, symlinks=False)
+    source = Path(__file__).with_name("standin_model.py").read_text()
+    names = []
+    for config in sorted(target.glob("*/config.pbtxt")):
+        text = config.read_text()
+        if not BACKEND.search(text):
+            raise ExportError(f"{config}: no 'backend: \"onnxruntime\"' line to stand in for")
+        config.write_text(BACKEND.sub('backend: "python"', text))
+        for model in config.parent.glob("*/model.onnx"):
+            (model.parent / "model.py").write_text(source)
+        names.append(config.parent.name)
+    return names
+
+
+class RepositoryServer:
+    """``tritonserver`` on a stand-in copy of an export's ``triton/`` repository (a context manager)."""
+
+    def __init__(self, repository: Path):
+        root = _pytriton_dir()
+        self.binary = root / "tritonserver" / "bin" / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = root / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not self.binary.is_file() or not stub.is_file():
+            raise InputError(f"PyTriton's tritonserver or its Python {version} backend stub is missing; {INSTALL_HINT}")
+        self.work = Path(tempfile.mkdtemp(prefix="policy-export-triton-"))
+        try:
+            backend = self.work / "backends" / "python"
+            shutil.copytree(root / "tritonserver" / "backends" / "python", backend,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy2(stub, backend / "triton_python_backend_stub")
+            self.models = stand_in_repository(repository, self.work / "models")
+        except BaseException:
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+        self.libs = root.parent / "nvidia_pytriton.libs"
+        self.ports = {"http": free_port(), "grpc": free_port()}
+        self.log = self.work / "tritonserver.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "RepositoryServer":
+        """Start the server and wait until every model is ready.
+
+        Raises:
+            ExportError: the server refused the repository or stopped (its log's errors named).
+        """
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (sysconfig.get_config_var("LIBDIR"), str(self.libs),
+                                                             env.get("LD_LIBRARY_PATH")) if p)
+        args = [str(self.binary), f"--model-repository={self.work / 'models'}",
+                f"--backend-directory={self.work / 'backends'}", f"--http-address={HOST}",
+                f"--http-port={self.ports['http']}", f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
+                "--allow-metrics=false", "--exit-timeout-secs=5", f"--log-file={self.log}"]
+        self.process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
+        client = client_module("http").InferenceServerClient(f"{HOST}:{self.ports['http']}")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ExportError(f"tritonserver refused the repository: {self.errors()}")
+                with contextlib.suppress(Exception):
+                    if all(client.is_model_ready(m) for m in self.models):
+                        return self
+                time.sleep(0.25)
+            raise ExportError(f"tritonserver was not ready in {READY_TIMEOUT_S:.0f} s: {self.errors()}")
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            client.close()
+
+    def errors(self) -> str:
+        """The error lines of the server's log (the last few), or its last line."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        # (a server without CUDA logs "CudaDriverHelper has not been initialized." as an error)
+        errors = [line for line in lines if line.startswith("E") and "CudaDriverHelper" not in line] or lines[-1:]
+        return " | ".join(line[:400] for line in errors[-4:])
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.process is not None:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the backend's stubs, if any remain
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def __enter__(self) -> "RepositoryServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RepositoryClient(Runner):
+    """The contract through the repository's models on a live server, over one protocol.
+
+    Feed-forward: the batched model, or the sampling model when an optional input is fed a value
+    other than its default. Recurrent: one sequence per row, the server keeping the state; a call
+    whose state inputs are all zero starts new sequences, any other continues them, and the state
+    outputs returned are step counters that only this client reads back (the server does not send
+    state)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, url: str, protocol: str, models: Mapping[str, Mapping[str, Any]], contract: Contract):
+        self.protocol, self.contract = protocol, contract
+        self.label = f"tritonserver {url} ({protocol}), the written triton/ repository"
+        self._module = client_module(protocol)
+        self._client = self._module.InferenceServerClient(url=url)
+        self.records = dict(models)
+        self.batched = next(n for n, r in models.items() if r.get("max_batch_size"))
+        self.sampling = next((n for n, r in models.items() if not r.get("max_batch_size")), None)
+        self.recurrent = bool(models[self.batched].get("states"))
+        self.inputs = {s.key: TensorMeta(s.key, s.dtype, s.shape) for s in contract.inputs}
+        self.outputs = {s.key: TensorMeta(s.key, s.dtype, s.shape) for s in contract.outputs}
+        self._sequences: list[int] = []
+
+    def _choose(self, feeds: Mapping[str, np.ndarray]) -> str:
+        for spec in self.contract.inputs:
+            if spec.required or spec.key not in feeds or spec.key == SEQ_LENS:
+                continue
+            if not np.array_equal(np.asarray(feeds[spec.key]), np.asarray(spec.default, dtype=spec.dtype)):
+                if self.sampling is None:
+                    raise InputError(f"{self.label}: input {spec.key!r} can only be its default here")
+                return self.sampling
+        return self.batched
+
+    def _infer(self, name: str, arrays: Mapping[str, np.ndarray], **sequence) -> dict[str, np.ndarray]:
+        record = self.records[name]
+        inputs = []
+        for key in record["inputs"]:
+            if key not in arrays:
+                continue
+            value = np.ascontiguousarray(arrays[key])
+            item = self._module.InferInput(key, list(value.shape), WIRE_TYPES[value.dtype.name])
+            item.set_data_from_numpy(value)
+            inputs.append(item)
+        result = self._client.infer(name, inputs, outputs=[self._module.InferRequestedOutput(k)
+                                                          for k in record["outputs"]], **sequence)
+        return {k: result.as_numpy(k) for k in record["outputs"]}
+
+    def _wire(self, name: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Contract feeds as the written config declares them: ``[batch]`` as ``[batch, 1]`` in
+        the batched model, a scalar as ``[1]``."""
+        batched = bool(self.records[name].get("max_batch_size"))
+        out = {}
+        for key, value in feeds.items():
+            value = np.asarray(value, dtype=self.contract.input(key).dtype)
+            out[key] = value.reshape(1) if value.ndim == 0 else (value.reshape(-1, 1) if batched and value.ndim == 1
+                                                                 else value)
+        return out
+
+    def _shaped(self, out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v).reshape(-1) if len(self.contract.output(k).shape) == 1 else v for k, v in out.items()}
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.recurrent:
+            return self._step(feeds)
+        name = self._choose(feeds)
+        return self._shaped(self._infer(name, self._wire(name, {k: v for k, v in feeds.items() if k != SEQ_LENS})))
+
+    def _step(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        states = sorted(k for k in feeds if k.startswith("state_in_"))
+        rows = len(np.asarray(feeds[states[0]]))
+        start = all(not np.any(feeds[k]) for k in states)
+        if start:
+            self._sequences = [next(self._ids) for _ in range(rows)]
+        elif len(self._sequences) != rows:
+            raise InputError(f"{self.label}: a call continues {len(self._sequences)} sequences, not {rows}")
+        step = 0 if start else int(np.asarray(feeds[states[0]]).flat[0])
+        per_step = {k: v for k, v in feeds.items() if k not in states and k != SEQ_LENS}
+        collected: dict[str, list[np.ndarray]] = {}
+        for row, sequence_id in enumerate(self._sequences):
+            arrays = self._wire(self.batched, {k: np.asarray(v)[row:row + 1] for k, v in per_step.items()})
+            out = self._infer(self.batched, arrays, sequence_id=sequence_id, sequence_start=start)
+            for key, value in self._shaped(out).items():
+                collected.setdefault(key, []).append(value)
+        result = {k: np.concatenate(v) for k, v in collected.items()}
+        for i, key in enumerate(states):  # step counters the server never sees
+            result[state_out_key(i)] = np.full_like(np.asarray(feeds[state_in_key(i)]), step + 1)
+        return result
+
+    def device_info(self) -> dict[str, Any]:
+        return {"triton_protocol": self.protocol}
+
+    def _close(self) -> None:
+        self._client.close()
+
+
+class RepositoryTarget(Format):
+    """The repository's models on the live server over one protocol, checked like a format:
+    golden and exploration parity for feed-forward policies, the stepped sequences for recurrent
+    ones (a server keeping implicit state takes no golden state; its state outputs are not sent)."""
+
+    def __init__(self, server: RepositoryServer, protocol: str, info: Mapping[str, Any], contract: Contract):
+        self.server, self.protocol, self.info, self.contract = server, protocol, info, contract
+        self.name = f"triton-repository/{protocol}"
+        self.recurrent = bool(info.get("recurrent"))
+        self.capabilities = Capabilities(explores=bool(info.get("explores")), default=False)
+
+    def open(self, path: Path, manifest: Mapping[str, Any], device: Any) -> RepositoryClient:
+        return RepositoryClient(f"{HOST}:{self.server.ports[self.protocol]}", self.protocol, self.info["models"],
+                                self.contract)
+
+    def explores(self, info) -> bool:
+        return self.capabilities.explores
+
+    def output_keys(self, contract: Contract, info) -> list[str]:
+        record = next(r for r in self.info["models"].values() if r.get("max_batch_size"))
+        return [k for k in contract.output_keys if k in record["outputs"]]
+
+    def check(self, label, path, manifest, device, replay, report) -> None:
+        if not self.recurrent:
+            return super().check(label, path, manifest, device, replay, report)
+        if replay.plan.stepped is None:
+            return None
+        with self.open(path, manifest, device) as runner:
+            replay.plan.stepped.check(label, runner, replay.tolerances, report,
+                                      [k for k in self.output_keys(self.contract, None) if not is_state_out(k)])
+        return None
+
+
+def check_repository(out: Path, doc: Mapping[str, Any], replay, report, device: Any) -> list[str]:
+    """The export's ``triton/`` on a real ``tritonserver`` (:class:`RepositoryServer`), checked over
+    HTTP and gRPC; returns notes for the verify report."""
+    from policy_export.exporter.serve.check import run_target
+
+    info = doc["formats"]["triton"]
+    contract = Contract.from_json(doc["contract"])
+    with RepositoryServer(out / "triton") as server:
+        for protocol in PROTOCOLS:
+            run_target(RepositoryTarget(server, protocol, info, contract), out, doc, replay, report, device)
+        what = "the stepped sequences (the server keeping the state)" if info.get("recurrent") else \
+            "the golden outputs" + (" and exploration" if info.get("explores") else "")
+        return [f"triton repository: tritonserver loaded {', '.join(server.models)} (Python backend standing in for "
+                f"ONNX Runtime's), {what} checked over {' and '.join(PROTOCOLS)}"]
