@@ -165,6 +165,11 @@ class TritonServer:
             raise ExportError(f"the Triton server did not start: {type(e).__name__}: {str(e)[:500]}") from e
         return cls(out, models, engine, triton, workspace, host, ports)
 
+    @property
+    def workspace(self) -> Path:
+        """The server's working directory (its model store, its log); removed when it stops."""
+        return self._workspace
+
     def endpoints(self) -> dict[str, str]:
         return {what: f"{self.host}:{port}" for what, port in self.ports.items()}
 
