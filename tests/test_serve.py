@@ -112,6 +112,30 @@ def test_tritonserver_applies_its_own_load_rules_to_a_repository(served_exports,
         assert sorted(server.models) == ["cartpole_mlp", "cartpole_mlp_explore"]
 
 
+@pytest.mark.parametrize("extra,message", [
+    # the Python backend would unpack and run this environment: never loaded
+    ('parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "/tmp/env.tar.gz" } }', "field parameters"),
+    ('model_repository_agents { agents [ { name: "checksum" } ] }', "field model_repository_agents"),
+    ('model_warmup [ { name: "w" batch_size: 1 inputs { key: "observations" value: { data_type: TYPE_FP32 '
+     'dims: [ 4 ] input_data_file: "../../etc/passwd" } } } ]', "field model_warmup"),
+    ("not a config {", "not a Triton model config"),
+])
+def test_a_repository_config_the_package_did_not_write_is_refused_before_a_server_reads_it(
+        served_exports, tmp_path, extra, message):
+    import shutil
+
+    from policy_export.errors import InputError
+    from policy_export.exporter.serve.repository import RepositoryServer
+
+    _, out = served_exports("cartpole_mlp")
+    bad = tmp_path / "triton"
+    shutil.copytree(out / "triton", bad)
+    config = bad / "cartpole_mlp" / "config.pbtxt"
+    config.write_text(config.read_text() + extra + "\n")
+    with pytest.raises(InputError, match=message):
+        RepositoryServer(bad)
+
+
 @pytest.fixture(scope="module")
 def live(served_exports):
     _, out = served_exports("cartpole_mlp")

@@ -69,7 +69,9 @@ def check_server(out: Path, doc: Mapping[str, Any], kind: str, replay, report, d
         models = ", ".join(f"{m.name} ({'batched' if m.batched else 'not batched'})" for m in server.models)
     notes = [f"server: Triton ({kind}) on 127.0.0.1 serving {models} through {server.engine.format}, checked "
              f"over {' and '.join(PROTOCOLS)}"]
-    if "triton" in doc["formats"] and "triton" not in report.errors:  # the written repository too
+    # the written repository too, where this verify checked its files and models (not a candidate's)
+    if "triton" in doc["formats"] and "triton" not in report.errors and \
+            any(r.format.split(" ")[0] == "triton" for r in report.records):
         from policy_export.exporter.serve.repository import check_repository
 
         notes += check_repository(out, doc, replay, report, device)

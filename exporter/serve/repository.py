@@ -50,18 +50,74 @@ def _pytriton_dir() -> Path:
     return Path(pytriton.__file__).parent
 
 
+# What a config this package writes may hold, field by field (Triton's ModelConfig message names):
+# anything else (backend parameters such as the Python backend's EXECUTION_ENV_PATH, repository
+# agents, model warm-up files, host policies...) is refused before a server reads the file.
+ALLOWED_FIELDS = {
+    "ModelConfig": {"name", "backend", "max_batch_size", "input", "output", "dynamic_batching",
+                    "sequence_batching", "instance_group", "version_policy"},
+    "ModelInput": {"name", "data_type", "dims", "reshape", "optional"},
+    "ModelOutput": {"name", "data_type", "dims", "reshape"},
+    "ModelTensorReshape": {"shape"},
+    "ModelDynamicBatching": {"max_queue_delay_microseconds", "preferred_batch_size"},
+    "ModelSequenceBatching": {"max_sequence_idle_microseconds", "control_input", "state"},
+    "ControlInput": {"name", "control"},
+    "Control": {"kind", "int32_false_true"},
+    "State": {"input_name", "output_name", "data_type", "dims", "initial_state"},
+    "InitialState": {"data_type", "dims", "zero_data", "name"},
+    "ModelInstanceGroup": {"kind", "count"},
+    "ModelVersionPolicy": {"specific"},
+    "Specific": {"versions"},
+}
+
+
+def check_written_config(text: str, where: str) -> None:
+    """Raises InputError unless ``text`` parses with Triton's own ``ModelConfig`` schema, names the
+    ONNX Runtime backend and holds only fields of :data:`ALLOWED_FIELDS` (what this package writes)."""
+    from google.protobuf import text_format
+
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise InputError(f"Triton's config schema is not installed ({e}); {INSTALL_HINT}") from None
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as e:
+        raise InputError(f"{where}: not a Triton model config: {str(e)[:300]}") from None
+    if config.backend != "onnxruntime":
+        raise InputError(f"{where}: backend {config.backend!r}; the repositories this package writes name onnxruntime")
+
+    def walk(message, path: str) -> None:
+        kind = message.DESCRIPTOR.name
+        for field, value in message.ListFields():
+            if field.name not in ALLOWED_FIELDS.get(kind, ()):
+                raise InputError(f"{where}: field {path}{field.name} is not one this package writes; the "
+                                 "repository is not loaded")
+            if field.message_type is not None:
+                for item in (value if field.label == field.LABEL_REPEATED else [value]):
+                    walk(item, f"{path}{field.name}.")
+
+    walk(config, "")
+
+
 def stand_in_repository(repository: Path, target: Path) -> list[str]:
     """Copy ``repository`` (an export's ``triton/``) to ``target`` with every model on the Python
     backend and the stand-in beside each ``model.onnx``; returns the model names.
 
     Raises:
-        ExportError: a config that does not name the ONNX Runtime backend.
+        InputError: a link, or a config that is not one this package writes (:func:`check_written_config`).
+        ExportError: a config without the ONNX Runtime backend's line to replace.
     """
-    shutil.copytree(repository, target, symlinks=False)
+    shutil.copytree(repository, target, symlinks=True)  # a link stays a link (and is refused below)
+    links = [p for p in target.rglob("*") if p.is_symlink()]
+    if links:
+        raise InputError(f"{repository}: {links[0].relative_to(target)} is a symbolic link; the repository is not loaded")
     source = Path(__file__).with_name("standin_model.py").read_text()
     names = []
     for config in sorted(target.glob("*/config.pbtxt")):
         text = config.read_text()
+        check_written_config(text, f"{repository.name}/{config.parent.name}/config.pbtxt")
         if not BACKEND.search(text):
             raise ExportError(f"{config}: no 'backend: \"onnxruntime\"' line to stand in for")
         config.write_text(BACKEND.sub('backend: "python"', text))
