@@ -8,9 +8,12 @@ so it is caught here and reported with the fix.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Sequence
 from importlib import metadata
 
-from policy_export.errors import EnvironmentMismatchError
+from policy_export.errors import EnvironmentMismatchError, InputError
 
 
 def _version(dist: str) -> tuple[int, ...] | None:
@@ -44,3 +47,32 @@ def import_onnx():
     import onnx
 
     return onnx
+
+
+def missing_modules(modules: Sequence[str]) -> list[str]:
+    """Which of ``modules`` (top-level import names) cannot be imported here, found without
+    importing them."""
+    missing = []
+    for name in modules:
+        if name in sys.modules:
+            if sys.modules[name] is None:  # an import blocked on purpose
+                missing.append(name)
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require(modules: Sequence[str], extra: str, what: str) -> None:
+    """Raises InputError naming the extra to install when one of ``modules`` is missing for ``what``.
+
+    Example: ``require(("openvino",), "openvino", "format 'openvino'")``.
+    """
+    missing = missing_modules(modules)
+    if missing:
+        raise InputError(f"{what} needs {', '.join(missing)}, which is not installed; install the {extra} extra: "
+                         f"pip install \"policy-export[{extra}]\"")

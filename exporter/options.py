@@ -38,7 +38,8 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     """Validate a format list (``None`` means the default formats) and put it in export order.
 
     Raises:
-        InputError: an empty list or an unknown format.
+        InputError: an empty list, an unknown format, or one whose library is not installed (the
+            extra to install named).
     """
     if formats is None:
         return registry.default_names()
@@ -48,6 +49,8 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown:
         raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
+    for name in formats:  # a format whose library is not installed: the extra that brings it
+        registry.get(name).check_installed()
     return tuple(f for f in ALL_FORMATS if f in formats)
 
 

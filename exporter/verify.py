@@ -96,6 +96,14 @@ class _Verify:
         self.progress = opts.progress or SILENT
         self.doc = manifest.read_manifest(out) if doc is None else doc
         self.candidates = _check_candidates(opts.candidates, self.doc)
+        if not self.candidates:  # every format of the export is run: each needs its library
+            for name in self.doc["formats"]:
+                if name in registry.names():
+                    registry.get(name).check_installed()
+        if opts.server is not None:
+            from policy_export.exporter.compat import require
+
+            require(("pytriton", "tritonclient"), "serve", f"verify --server {opts.server}")
         self.device = plan_devices(opts.device)
         self.tolerances = tf32_tolerances(opts.tolerances or Tolerances.from_json(self.doc["tolerances"]), self.device)
         self.contract = Contract.from_json(self.doc["contract"])
@@ -206,6 +214,8 @@ def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[
     if not candidates:
         return {}
     out = replay.check_candidate_paths(candidates)
+    for name in out:
+        registry.get(name).check_installed()
     missing = [f for f in out if f not in doc["formats"]
                and not registry.get(f).candidate_without_export]
     if missing:

@@ -57,6 +57,16 @@ class Format:
     # ``verify --candidate NAME=PATH`` also where the export did not write this format: its runner
     # needs nothing from the export's own file of it (the contract and the parity plan suffice)
     candidate_without_export: bool = False
+    # the modules writing or running the format imports, and the extra that installs them
+    requires: tuple[str, ...] = ()
+    extra: str | None = None
+
+    def check_installed(self) -> None:
+        """Raises InputError naming the extra when a module the format needs is not installed."""
+        if self.requires:
+            from policy_export.exporter.compat import require
+
+            require(self.requires, self.extra or self.name, f"format {self.name!r}")
 
     def skip_reason(self, policy: Any) -> str | None:
         """Why this format cannot be written for ``policy`` (it is then skipped), or ``None``."""

@@ -95,6 +95,9 @@ class Progress:
 
 def _executor(jobs: int | None, ray: str | None, memory_mb: float | None, preload: bool, log_dir: Path):
     if ray:
+        from policy_export.exporter.compat import require
+
+        require(("ray",), "ray", "export-many/verify-many --ray")
         from policy_export.exporter.many.ray_pool import RayPool
 
         return RayPool(ray, memory_mb=memory_mb)

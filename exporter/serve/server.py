@@ -48,10 +48,11 @@ HOST = "127.0.0.1"
 
 def import_pytriton():
     """PyTriton's modules, or an :class:`InputError` naming the extra to install."""
-    try:
-        from pytriton import model_config, triton
-    except ImportError as e:
-        raise InputError(f"serving needs PyTriton ({e}); {INSTALL_HINT}") from None
+    from policy_export.exporter.compat import require
+
+    require(("pytriton", "tritonclient"), "serve", "serving with Triton")
+    from pytriton import model_config, triton
+
     return triton, model_config
 
 

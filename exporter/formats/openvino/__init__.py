@@ -30,6 +30,7 @@ class OpenVinoFormat(Format):
     is_directory = True
     precision = "f32"  # the runner's INFERENCE_PRECISION_HINT
     candidate_without_export = True  # its runner needs the export's contract alone
+    requires, extra = ("openvino",), "openvino"
 
     def write(self, ctx, target: Path):
         from policy_export.exporter.formats.openvino import convert
