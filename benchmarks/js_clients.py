@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -141,13 +144,15 @@ def run_browser(requests: list[tuple[Path, dict]], work: Path, timeout: float = 
         proc = subprocess.Popen([browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                                  f"--user-data-dir={work / 'browser-profile'}",
                                  f"http://127.0.0.1:{server.server_address[1]}/"],
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
             if not done.wait(timeout):
                 raise RuntimeError(f"the browser page posted no results within {timeout:.0f} s "
                                    f"(exit code {proc.poll()}): {log.read_text(errors='replace')[-2000:]}")
         finally:
-            proc.kill()
+            # the browser's own processes (zygote, renderer, GPU) too: its whole process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             server.shutdown()
             server.server_close()

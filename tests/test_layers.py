@@ -25,6 +25,18 @@ def test_the_import_contracts_hold():
     proc = lint()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Contracts: 3 kept, 0 broken." in proc.stdout
+    assert "Import cycles (type-only imports included): 0" in proc.stdout
+
+
+def test_a_planted_type_only_cycle_is_found():
+    """A module imported lazily by another imports it back for type checking only: still a cycle."""
+    proc = lint("exporter/formats/tflite/interpreter.py",
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from policy_export.exporter.formats.tflite import convert")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Contracts: 3 kept, 0 broken." in proc.stdout  # no layer broken: the cycle is what fails
+    assert ("import cycle: policy_export.exporter.formats.tflite.convert -> "
+            "policy_export.exporter.formats.tflite.interpreter -> policy_export.exporter.formats.tflite.convert"
+            in proc.stdout), proc.stdout
 
 
 @pytest.mark.parametrize("file, line, broken", [

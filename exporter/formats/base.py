@@ -12,8 +12,6 @@ from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD, DEF
 from policy_export.exporter.devices import DevicePlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from policy_export.exporter.parity.compare import ParityReport
-    from policy_export.exporter.parity.replay import Replay
     from policy_export.exporter.formats.runner import Runner
     from policy_export.signatures.contract import Contract
 
@@ -103,9 +101,12 @@ class Format:
         if not ok:
             raise InputError(f"candidate {self.name}={path}: no such {kind}")
 
-    def check(self, label: str, path: Path, manifest: Mapping[str, Any], device: Any, replay: "Replay",
-              report: "ParityReport") -> None:
-        """Replay the parity plan on this format: open, run golden/exploration/stepped, close."""
+    def check(self, label: str, path: Path, manifest: Mapping[str, Any], device: Any, replay: Any,
+              report: Any) -> None:
+        """Replay the parity plan on this format: open, run golden/exploration/stepped, close.
+
+        ``replay`` is the :class:`exporter.parity.replay.Replay` and ``report`` the
+        :class:`exporter.parity.compare.ParityReport` (not imported here: formats sit below parity)."""
         with self.open(path, manifest, device) as runner:
             for key, value in runner.device_info().items():
                 report.devices.setdefault(key, value)

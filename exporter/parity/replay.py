@@ -27,7 +27,6 @@ from policy_export.exporter.progress import SILENT, Counted, Progress, Task
 from policy_export.errors import ExportError, InputError, PolicyExportError
 from policy_export.signatures.contract import Contract
 
-from policy_export.exporter.formats.keras import MODEL_IO_PREFIX  # noqa: E402,F401 (re-exported)
 
 
 @dataclass

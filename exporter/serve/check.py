@@ -13,6 +13,7 @@ from typing import Any
 from policy_export.exporter.formats.base import Capabilities, Format
 from policy_export.exporter.serve.client import PROTOCOLS, TritonClientRunner
 from policy_export.exporter.serve.server import TritonServer, free_port
+from policy_export.exporter.serve.targets import run_target
 from policy_export.signatures.contract import Contract
 
 SERVERS = ("triton",)
@@ -41,22 +42,6 @@ class ServerTarget(Format):
     def output_keys(self, contract: Contract, info) -> list[str]:
         served = {w.key for m in self.server.models for w in m.outputs}
         return [k for k in contract.output_keys if k in served]
-
-
-def run_target(target: Format, out: Path, doc: Mapping[str, Any], replay, report, device: Any) -> None:
-    """Replay the plan on ``target``; an error a server or its client raises (a request the
-    server refused, a timeout) fails that target's check with the message instead of stopping verify."""
-    from policy_export.errors import PolicyExportError
-
-    try:
-        with replay.stage(target.name, target):
-            target.check(target.name, out, doc, device, replay, report)
-    except (PolicyExportError, OSError) as e:
-        report.errors[target.name] = f"{type(e).__name__}: {str(e)[:500]}"
-    except Exception as e:  # tritonclient's InferenceServerException and the like
-        if type(e).__module__.split(".")[0] not in ("tritonclient", "grpc", "geventhttpclient"):
-            raise
-        report.errors[target.name] = f"the server answered: {str(e)[:500]}"
 
 
 def check_server(out: Path, doc: Mapping[str, Any], kind: str, replay, report, device: Any) -> list[str]:

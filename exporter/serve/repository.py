@@ -347,7 +347,7 @@ class RepositoryTarget(Format):
 def check_repository(out: Path, doc: Mapping[str, Any], replay, report, device: Any) -> list[str]:
     """The export's ``triton/`` on a real ``tritonserver`` (:class:`RepositoryServer`), checked over
     HTTP and gRPC; returns notes for the verify report."""
-    from policy_export.exporter.serve.check import run_target
+    from policy_export.exporter.serve.targets import run_target
 
     info = doc["formats"]["triton"]
     contract = Contract.from_json(doc["contract"])

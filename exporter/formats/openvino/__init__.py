@@ -18,8 +18,7 @@ from pathlib import Path
 
 from policy_export.exporter.formats.base import Capabilities, Format
 
-XML_NAME = "model.xml"
-BIN_NAME = "model.bin"
+from policy_export.exporter.formats.openvino.names import BIN_NAME, XML_NAME  # noqa: F401 (the format's files)
 
 
 class OpenVinoFormat(Format):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from policy_export.errors import ExportError, InputError
-from policy_export.exporter.formats.openvino import BIN_NAME, XML_NAME
+from policy_export.exporter.formats.openvino.names import BIN_NAME, XML_NAME
 from policy_export.exporter.formats.runner import Runner, TensorMeta, with_defaults
 from policy_export.policy.files import read_regular
 from policy_export.signatures.contract import Contract

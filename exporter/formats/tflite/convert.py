@@ -184,7 +184,7 @@ def check_litert_runs(data: bytes, what: str) -> str:
     Raises:
         ConversionError: the interpreter has no kernel for an op of the model (named, with its version).
     """
-    from policy_export.exporter.formats.tflite.runner import interpreter_class
+    from policy_export.exporter.formats.tflite.interpreter import interpreter_class
 
     cls, origin = interpreter_class()
     try:

@@ -24,20 +24,9 @@ from policy_export.exporter.formats.tflite.convert import (
     ALL_INPUTS_SIGNATURE, EXPLORE_SIGNATURE, SIGNATURE_KEY, check_tflite_file,
 )
 from policy_export.exporter.formats.runner import Runner, TensorMeta, with_defaults
+from policy_export.exporter.formats.tflite.interpreter import interpreter_class
 from policy_export.errors import ExportError, InputError
 from policy_export.signatures.contract import Contract
-
-
-def interpreter_class() -> tuple[Any, str]:
-    """The interpreter class and its origin: ``ai_edge_litert`` if importable, else ``tf.lite``."""
-    try:
-        from ai_edge_litert.interpreter import Interpreter
-
-        return Interpreter, "ai_edge_litert"
-    except ImportError:
-        import tensorflow as tf
-
-        return tf.lite.Interpreter, "tensorflow.lite"
 
 
 def _meta(key: str, detail: Mapping[str, Any]) -> TensorMeta:
