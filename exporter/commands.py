@@ -254,7 +254,7 @@ def cmd_inspect(args, console) -> int:
     from policy_export.exporter.inspection import contract_json
     from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
 
-    if is_rllib_checkpoint(args.path):
+    if is_rllib_checkpoint(args.path):  # the one source inspect reads itself (exports and models otherwise)
         return _inspect_checkpoint(args, console)
     kind, contract = _contract(args.path, args)
     if args.json:
@@ -362,7 +362,7 @@ def _space_option(value: str | None, option: str):
 
 
 def cmd_convert(args, console) -> int:
-    from policy_export.errors import ExportError, InputError
+    from policy_export.errors import InputError
     from policy_export.exporter.options import ExportOptions
     from policy_export.exporter.staging import check_target
 
@@ -370,11 +370,10 @@ def cmd_convert(args, console) -> int:
                          explore_samples=args.explore_samples, overwrite=args.overwrite, progress=args.progress,
                          run_timeout=args.run_timeout, model_name=args.model_name,
                          model_version=args.model_version)
-    from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
+    from policy_export.exporter.sources.detect import detect
 
-    if is_rllib_checkpoint(args.saved_model):
+    if detect(args.saved_model, ("checkpoint", "saved_model"), "convert's source").kind == "checkpoint":
         return _convert_checkpoint(args, console, opts)
-    _point_into_tune_directories(Path(args.saved_model))
     checkpoint_only = [flag for flag, given in (("--policy-id", args.policy_id), ("--all-policies", args.all_policies),
                                                 ("--no-filter", args.no_filter),
                                                 ("--actions", args.actions != "environment")) if given]
@@ -382,8 +381,6 @@ def cmd_convert(args, console) -> int:
         raise InputError(f"{', '.join(checkpoint_only)} apply to RLlib checkpoints only; {args.saved_model} holds no "
                          f"rllib_checkpoint.json")
     args.signature, args.tag = args.signature or "serving_default", args.tag or "serve"
-    if not (Path(args.saved_model) / "saved_model.pb").is_file():
-        raise ExportError(f"{args.saved_model} is not a SavedModel directory (no saved_model.pb)")
     check_target(Path(args.out).absolute(), args.overwrite)
     pairs = []
     for item in args.state:
@@ -409,19 +406,6 @@ def cmd_convert(args, console) -> int:
     console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] to "
                   f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
     return _partial_status(console, result, args)
-
-
-def _point_into_tune_directories(path: Path) -> None:
-    """A directory that is neither a SavedModel nor a checkpoint but holds checkpoints (ray <= 2.6
-    saves into ``checkpoint_000001/`` inside the directory given; Tune keeps several): name them."""
-    from policy_export.errors import ExportError
-
-    if not path.is_dir() or (path / "saved_model.pb").exists():
-        return
-    inner = sorted(p.parent.name for p in path.glob("*/rllib_checkpoint.json"))
-    if inner:
-        raise ExportError(f"{path} is not a checkpoint itself but holds RLlib checkpoints in {', '.join(inner)}: "
-                          f"give one of those directories (e.g. {path / inner[-1]})")
 
 
 def _convert_checkpoint(args, console, opts) -> int:

@@ -276,7 +276,8 @@ def test_a_directory_of_checkpoints_names_them(tmp_path):
 
 
 def test_checkpoint_options_on_a_saved_model_are_refused(tmp_path):
-    run = cli("convert", str(tmp_path), "--out", str(tmp_path / "o"), "--no-filter")
+    saved_model = CHECKPOINTS.parent / "legacy_algos" / "dqn_plain" / "saved_model"  # RLlib 2.0.1's export
+    run = cli("convert", str(saved_model), "--out", str(tmp_path / "o"), "--no-filter")
     assert run.returncode == 2 and "--no-filter apply to RLlib checkpoints only" in run.stderr, run.stderr
 
 

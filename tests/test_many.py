@@ -224,3 +224,36 @@ def test_progress_lines_and_the_live_counts():
     assert "] a: passed in 4.0 s" in lines[1] and "ETA 4 s" in lines[1]  # mean 4 s x 2 left / 2 workers
     assert lines[2].startswith("[2/3 done, 0 running, 1 failed") and lines[2].endswith("b: failed in 2.0 s: parity failed: x")
     assert len(counts) == 3 and counts[-1].startswith("2/3 done, 0 running, 1 failed")
+
+
+@pytest.mark.parametrize("make,kind", [
+    (lambda p: (p / "policy.json").write_text("{}"), "spec"),
+    (lambda p: (p / "rllib_checkpoint.json").write_text("{}"), "checkpoint"),
+    (lambda p: (p / "saved_model.pb").write_bytes(b""), "saved_model"),
+])
+def test_one_detector_names_each_kind_of_source(tmp_path, make, kind):
+    """convert, inspect and export-many decide what a path is in one place."""
+    from policy_export.exporter.sources.detect import detect
+
+    make(tmp_path)
+    assert detect(tmp_path).kind == kind
+    if kind == "spec":
+        assert detect(tmp_path / "policy.json").kind == "spec"
+
+
+def test_the_detector_names_what_a_path_is_not_and_inner_checkpoints(tmp_path):
+    from policy_export.errors import ExportError, InputError
+    from policy_export.exporter.sources.detect import detect
+
+    with pytest.raises(InputError, match="no such directory"):
+        detect(tmp_path / "nothing")
+    with pytest.raises(InputError, match=r"convert's source .* is not an RLlib checkpoint \(rllib_checkpoint.json\) "
+                                         r"or a SavedModel directory \(saved_model.pb\)"):
+        detect(tmp_path, ("checkpoint", "saved_model"), "convert's source")
+    for step in ("checkpoint_000001", "checkpoint_000002"):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "rllib_checkpoint.json").write_text("{}")
+    with pytest.raises(ExportError, match="checkpoint_000001, checkpoint_000002: give one of those"):
+        detect(tmp_path)
+    (tmp_path / "policy.json").write_text("{}")  # a spec beside them: the spec is what the path is
+    assert detect(tmp_path).kind == "spec"

@@ -61,25 +61,14 @@ class Job:
 
 
 def source_kind(path: Path) -> str:
-    """``spec``, ``saved_model`` or ``checkpoint`` for a source directory.
+    """``spec``, ``saved_model`` or ``checkpoint`` for a source (:func:`exporter.sources.detect.detect`).
 
     Raises:
         InputError: ``path`` is none of those.
     """
-    from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
+    from policy_export.exporter.sources.detect import detect
 
-    if path.is_file() and path.name == "policy.json":
-        return "spec"
-    if not path.is_dir():
-        raise InputError(f"source {path}: no such directory")
-    if (path / "policy.json").is_file():
-        return "spec"
-    if is_rllib_checkpoint(path):
-        return "checkpoint"
-    if (path / "saved_model.pb").is_file():
-        return "saved_model"
-    raise InputError(f"source {path} is not a spec directory (policy.json), an RLlib checkpoint or a SavedModel "
-                     "directory (saved_model.pb)")
+    return detect(path).kind
 
 
 def _options(raw: Any, where: str) -> dict[str, Any]:
