@@ -208,9 +208,11 @@ def cmd_verify(args, console) -> int:
 
 
 def cmd_serve(args, console) -> int:
+    from policy_export.exporter.compat import require
     from policy_export.exporter.options import check_model_name
 
     check_model_name(args.model_name)
+    require(("pytriton", "tritonclient"), "serve", "serving with Triton")  # before TensorFlow loads
     _heavy_imports(args)
     from policy_export.exporter.serve.server import TritonServer, serve_forever
 

@@ -195,6 +195,10 @@ class VerifyOptions:
     def __post_init__(self):
         if self.server not in (None, "triton"):
             raise InputError(f"server {self.server!r} is not one of: triton")
+        if self.server is not None:
+            from policy_export.exporter.compat import require
+
+            require(("pytriton", "tritonclient"), "serve", f"verify --server {self.server}")
         check_count("samples", self.samples, 0, MAX_SAMPLES)
         check_count("seed", self.seed, 0, MAX_SEED)
         check_count("batch_size", self.batch_size, 1)

@@ -100,10 +100,6 @@ class _Verify:
             for name in self.doc["formats"]:
                 if name in registry.names():
                     registry.get(name).check_installed()
-        if opts.server is not None:
-            from policy_export.exporter.compat import require
-
-            require(("pytriton", "tritonclient"), "serve", f"verify --server {opts.server}")
         self.device = plan_devices(opts.device)
         self.tolerances = tf32_tolerances(opts.tolerances or Tolerances.from_json(self.doc["tolerances"]), self.device)
         self.contract = Contract.from_json(self.doc["contract"])

@@ -28,6 +28,7 @@ from policy_export.exporter.many.ray_pool import TASK_NAME  # noqa: E402
 
 BIN = Path(sys.executable).parent
 QUICK = dict(samples=100, explore_samples=500, formats=["saved_model", "onnx"])
+POLICIES = 4  # twice the test cluster's CPUs: tasks queue, and each still gets a worker of its own
 TITLE = f"ray::{TASK_NAME}".encode()
 
 
@@ -115,17 +116,17 @@ def _assert_whole(root: Path, names: list[str], address: str) -> None:
 
 
 def test_export_many_on_ray_exports_and_verifies_every_policy(tmp_path, address):
-    sources = _copies(tmp_path / "src", 8)
+    sources = _copies(tmp_path / "src", POLICIES)
     lines: list[str] = []
     result = export_many(sources, tmp_path / "out", ray=address, progress=lines.append, **QUICK)
     assert result.passed and result.failed == [], result.results
-    assert [r["name"] for r in result.results] == [f"p{i}" for i in range(8)]
+    assert [r["name"] for r in result.results] == [f"p{i}" for i in range(POLICIES)]
     assert {r["status"] for r in result.results} == {"passed"}
     assert all(r["attempts"] == 1 and r["max_error"] is not None and r["max_error"] < 1e-3 for r in result.results)
-    # each policy ran in a process of its own: eight distinct worker pids, none of them the driver's
+    # each policy ran in a process of its own: distinct worker pids, none of them the driver's
     pids = {r["pid"] for r in result.results}
-    assert len(pids) == 8 and os.getpid() not in pids
-    for name in (f"p{i}" for i in range(8)):
+    assert len(pids) == POLICIES and os.getpid() not in pids
+    for name in (f"p{i}" for i in range(POLICIES)):
         assert (tmp_path / "out" / name / "manifest.json").is_file()
         assert (tmp_path / "out" / STATE_DIR / f"{name}.json").is_file()
     executor = result.executor
@@ -133,14 +134,14 @@ def test_export_many_on_ray_exports_and_verifies_every_policy(tmp_path, address)
     assert executor["address"] == address and executor["gcs_address"].endswith(address[address.rindex(":"):])
     assert executor["cluster"]["cpus"] == 2.0 and executor["parallel"] == 2 and executor["nodes"] == 1
     assert executor["task"] == {"num_cpus": 1, "memory_mb": None, "max_calls": 1} and executor["retries"] == 3
-    assert any("8/8 done" in line for line in lines)
+    assert any(f"{POLICIES}/{POLICIES} done" in line for line in lines)
     assert json.loads(json.dumps(result.to_json()))  # the report, executor included, is plain JSON
     # and each of those processes exited when its policy was done (max_calls=1): nothing is reused
     deadline = time.monotonic() + 20
     while any(Path(f"/proc/{pid}").exists() for pid in pids):
         assert time.monotonic() < deadline, [pid for pid in pids if Path(f"/proc/{pid}").exists()]
         time.sleep(0.2)
-    _assert_whole(tmp_path / "out", [f"p{i}" for i in range(8)], address)
+    _assert_whole(tmp_path / "out", [f"p{i}" for i in range(POLICIES)], address)
     assert not ray.is_initialized()  # the pool disconnected when it was done
 
 
