@@ -58,11 +58,12 @@ def _partial_option(p: argparse.ArgumentParser) -> None:
 
 
 def _formats_argument(p: argparse.ArgumentParser) -> None:
+    from policy_export.exporter import formats  # the registry: light, no runtime is imported
+
+    default = formats.default_names()
     p.add_argument("--formats", default=None, metavar="LIST",
-                   help="comma-separated subset of saved_model,frozen_graph,onnx,onnx_deterministic,keras "
-                        "(the default), onnx_explore (every input a plain graph input, for JavaScript clients), the opt-in edge formats "
-                        "tflite,tflite_int8,onnx_int8,onnx_fp16 and the serving targets "
-                        "triton,tf_serving,openvino,openvino_bf16")
+                   help=f"comma-separated subset of {','.join(default)} (the default) and the opt-in "
+                        f"{','.join(n for n in formats.names() if n not in default)}")
 
 
 def _quiet_option(p: argparse.ArgumentParser) -> None:

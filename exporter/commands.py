@@ -111,7 +111,6 @@ def _formats_option(text: str | None) -> list[str] | None:
 
 def cmd_export(args, console) -> int:
     from policy_export.exporter.options import ExportOptions
-    from policy_export.exporter.staging import check_target
     from policy_export.policy.spec import load_spec
 
     start = time.perf_counter()
@@ -124,17 +123,16 @@ def cmd_export(args, console) -> int:
                          model_version=args.model_version, **_behaviour_option(args))
     _check_report_paths(args, args.out)
     spec = load_spec(args.spec)  # parsed once: the export builds its policy from this spec
-    opts.check_policy(spec.observation_space)
-    check_target(Path(args.out).absolute(), args.overwrite)
+    opts.check_export(spec.observation_space, args.out)
     _heavy_imports(args)
 
     from policy_export.errors import ParityFailedError
-    from policy_export.exporter.export import export_spec
+    from policy_export.exporter.export import run_export_spec
     from policy_export.exporter.options import replace
     from policy_export.exporter.reports import parity_table
 
     try:
-        result = export_spec(spec, args.out, replace(opts, device=_device_plan(args)))
+        result = run_export_spec(spec, args.out, replace(opts, device=_device_plan(args)))
     except ParityFailedError as e:
         args.progress.close(failed=True)
         if e.report is not None:
@@ -238,13 +236,11 @@ def cmd_serve(args, console) -> int:
 
 
 def _contract(path: str, args=None):
-    """Read a contract; TensorFlow is imported (quietly) only for SavedModels."""
-    from policy_export.exporter.inspection import contract_of
+    """Read a contract; TensorFlow is imported (quietly) only for the formats that need it."""
+    from policy_export.exporter.inspection import contract_of, find_model
 
-    from policy_export.exporter.inspection import serving_layout
-
-    layout = serving_layout(Path(path))
-    if (Path(path) / "saved_model.pb").is_file() or (layout is not None and layout[0] == "tf_serving"):
+    hit = find_model(Path(path))
+    if hit is not None and hit[0].inspect_needs_tensorflow:
         _heavy_imports(args)
     return contract_of(path, getattr(args, "signature", "serving_default"), getattr(args, "tag", "serve"))
 
@@ -366,7 +362,6 @@ def _space_option(value: str | None, option: str):
 def cmd_convert(args, console) -> int:
     from policy_export.errors import InputError
     from policy_export.exporter.options import ExportOptions
-    from policy_export.exporter.staging import check_target
 
     opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
                          explore_samples=args.explore_samples, overwrite=args.overwrite, progress=args.progress,
@@ -382,8 +377,6 @@ def cmd_convert(args, console) -> int:
     if checkpoint_only:
         raise InputError(f"{', '.join(checkpoint_only)} apply to RLlib checkpoints only; {args.saved_model} holds no "
                          f"rllib_checkpoint.json")
-    args.signature, args.tag = args.signature or "serving_default", args.tag or "serve"
-    check_target(Path(args.out).absolute(), args.overwrite)
     pairs = []
     for item in args.state:
         a, sep, b = item.partition("=")
@@ -392,15 +385,15 @@ def cmd_convert(args, console) -> int:
         pairs.append((a, b))
     spaces = {name: _space_option(getattr(args, name), f"--{name.replace('_', '-')}")
               for name in ("observation_space", "action_space")}
-    if spaces["observation_space"] is not None:  # else known only once the model is read
-        opts.check_policy(spaces["observation_space"])
+    opts.check_export(spaces["observation_space"], args.out)  # without one, budgets once the model is read
     _heavy_imports(args)
-    from policy_export.exporter.convert import convert_saved_model
+    from policy_export.exporter.convert import SourceOptions, run_convert_saved_model
+    from policy_export.exporter.options import replace
     from policy_export.exporter.reports import parity_table
 
-    result = convert_saved_model(args.saved_model, args.out, device=_device_plan(args), options=opts,
-                                 signature_key=args.signature, tag=args.tag, state_pairs=pairs or None,
-                                 dist_inputs=args.dist_inputs, weights=args.weights, **spaces)
+    source = SourceOptions(signature_key=args.signature or "serving_default", tag=args.tag or "serve",
+                           state_pairs=pairs or None, dist_inputs=args.dist_inputs, weights=args.weights, **spaces)
+    result = run_convert_saved_model(args.saved_model, args.out, source, replace(opts, device=_device_plan(args)))
     args.progress.close()
     console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
     for new, old in result.manifest["source"]["key_mapping"].items():
@@ -414,7 +407,6 @@ def _convert_checkpoint(args, console, opts) -> int:
     """``convert`` of an RLlib checkpoint: read and checked before TensorFlow loads."""
     from policy_export.errors import InputError
     from policy_export.exporter.sources.checkpoint import read_checkpoint
-    from policy_export.exporter.staging import check_target
 
     savedmodel_only = [flag for flag, given in (
         ("--signature", args.signature), ("--tag", args.tag), ("--state", args.state), ("--dist-inputs", args.dist_inputs),
@@ -427,19 +419,14 @@ def _convert_checkpoint(args, console, opts) -> int:
         raise InputError("--policy-id and --all-policies exclude each other")
     checkpoint = read_checkpoint(args.saved_model)  # the safe reader: nothing is imported or run
     chosen = list(checkpoint.policies.values()) if args.all_policies else [checkpoint.policy(args.policy_id)]
-    out = Path(args.out).absolute()
-    for policy in chosen:
-        opts.check_policy(policy.original_observation_space or policy.observation_space)
-        check_target(out / policy.policy_id if args.all_policies else out, args.overwrite)
+    opts.check_checkpoint(chosen, args.out, each=args.all_policies)
     _heavy_imports(args)
-    from policy_export.exporter.convert import convert_checkpoint, convert_checkpoint_policies
+    from policy_export.exporter.convert import run_convert_checkpoint
+    from policy_export.exporter.options import replace
     from policy_export.exporter.reports import parity_table
 
-    kw = dict(use_filter=not args.no_filter, actions=args.actions, device=_device_plan(args), options=opts)
-    if args.all_policies:
-        results = convert_checkpoint_policies(checkpoint, out, **kw)
-    else:
-        results = {chosen[0].policy_id: convert_checkpoint(checkpoint, out, policy_id=chosen[0].policy_id, **kw)}
+    results = run_convert_checkpoint(checkpoint, chosen, args.out, replace(opts, device=_device_plan(args)),
+                                     each=args.all_policies, use_filter=not args.no_filter, actions=args.actions)
     args.progress.close()
     status = EXIT_OK
     for pid, result in results.items():
@@ -461,22 +448,13 @@ def _convert_checkpoint(args, console, opts) -> int:
     return status
 
 
-def _rollout_formats(text: str | None) -> list[str] | None:
-    from policy_export.errors import InputError
-
-    formats = _formats_option(text)
-    if formats is not None and not formats:
-        raise InputError("--formats: give two or more formats, e.g. saved_model,onnx")
-    return formats  # None: the default pair
-
-
 def cmd_rollout(args, console) -> int:
     from policy_export.exporter.manifest import read_manifest
 
     from policy_export.exporter.options import RolloutOptions, replace
 
     doc = read_manifest(Path(args.out))  # read once: the rollout takes it as read
-    opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_rollout_formats(args.formats),
+    opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_formats_option(args.formats),
                           return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
     _check_report_paths(args, args.out)
     _heavy_imports(args)
@@ -546,12 +524,6 @@ def _many_options(args) -> dict:
 
 
 def _many_run_options(args) -> dict:
-    from policy_export.errors import InputError
-
-    if args.jobs is not None and args.jobs < 1:
-        raise InputError(f"--jobs {args.jobs}: give at least 1")
-    if args.memory_mb is not None and args.memory_mb <= 0:
-        raise InputError(f"--memory-mb {args.memory_mb:g}: give a positive size")
     return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload)
 
 

@@ -18,10 +18,9 @@ from typing import Any
 import gymnasium as gym
 
 from policy_export.errors import InputError
-from policy_export.exporter.export import export_policy
-from policy_export.exporter.options import ExportOptions, replace
+from policy_export.exporter.export import run_export
+from policy_export.exporter.options import ExportOptions, checkpoint_target, replace
 from policy_export.exporter.progress import SILENT
-from policy_export.exporter.staging import check_target
 from policy_export.exporter.watchdog import run_limit
 from policy_export.signatures.keys import EXPLORE
 
@@ -74,10 +73,16 @@ def convert_saved_model(path: str | Path, out: str | Path, *, device: str = "aut
             :func:`exporter.sources.keras.load_keras_policy`); ParityFailedError when a format
             does not match the source session (nothing is written then).
     """
+    source, opts = _split(options, device, out)
+    return run_convert_saved_model(path, out, source, opts)
+
+
+def run_convert_saved_model(path: str | Path, out: str | Path, source: SourceOptions, opts: ExportOptions):
+    """:func:`convert_saved_model` once ``opts`` passed :meth:`ExportOptions.check_export` for
+    ``source.observation_space`` and ``out`` (the command line checks before TensorFlow loads)."""
     from policy_export.exporter.sources.keras import is_keras_base_model
     from policy_export.exporter.trust import read_saved_model
 
-    source, opts = _split(options, device)
     with run_limit(opts.run_timeout):  # loading runs the file's graph too
         proto = read_saved_model(path) if (Path(path) / "saved_model.pb").is_file() else None  # read once
         if is_keras_base_model(path, source.signature_key, source.tag, proto=proto):
@@ -96,23 +101,29 @@ def convert_keras_model(path: str | Path, out: str | Path, *, device: str = "aut
     export at ``out``; ``proto`` is the SavedModel already read, ``options`` as for
     :func:`convert_saved_model`. The Keras formats are left out (the model is served through the
     policy graph)."""
-    source, opts = _split(options, device)
+    source, opts = _split(options, device, out)
     with run_limit(opts.run_timeout):
         return _convert_keras(path, out, source, proto, opts)
 
 
-def _split(options: dict[str, Any], device: str) -> tuple[SourceOptions, ExportOptions]:
+def _split(options: dict[str, Any], device: str, out: str | Path) -> tuple[SourceOptions, ExportOptions]:
     """The source options, and the export options (``options=``, or made from the other keywords)
-    with ``device``."""
+    with ``device``, checked for ``out`` (:meth:`ExportOptions.check_export`: the sample budgets
+    too where ``observation_space`` is given, else once the policy is loaded)."""
     source, rest = SourceOptions.split(options)
-    made = ExportOptions.make(rest.pop("options", None), rest)
-    return source, replace(made, device=device)
+    opts = _options(rest, device)
+    opts.check_export(source.observation_space, out)
+    return source, opts
+
+
+def _options(keywords: dict[str, Any], device: str) -> ExportOptions:
+    """The export options: ``options=`` (an :class:`ExportOptions`) or made from ``keywords``, with ``device``."""
+    return replace(ExportOptions.make(keywords.pop("options", None), keywords), device=device)
 
 
 def _convert_legacy(path, out, source: SourceOptions, proto, opts: ExportOptions):
     from policy_export.exporter.sources.legacy import SavedModelFiles, load_saved_model_policy
 
-    check_target(Path(out).absolute(), opts.overwrite)
     with (opts.progress or SILENT).stage("load SavedModel"):
         policy, record = load_saved_model_policy(path, source.signature_key, source.tag, opts.device, source.state_pairs,
                                                  source.observation_space, source.action_space,
@@ -124,7 +135,7 @@ def _convert_legacy(path, out, source: SourceOptions, proto, opts: ExportOptions
                  record[EXPLORE]["from"], record[EXPLORE]["original_default"])
     described = {"converted_from": str(Path(path).absolute()), "signature": source.signature_key, "tag": source.tag,
                  **record}
-    return _export(policy, out, replace(opts, source=described))
+    return _export(policy, out, replace(opts, source=described), source)
 
 
 def _convert_keras(path, out, source: SourceOptions, proto, opts: ExportOptions):
@@ -135,7 +146,6 @@ def _convert_keras(path, out, source: SourceOptions, proto, opts: ExportOptions)
         raise InputError(f"{path} is a Keras base model (its signature has no 'actions' output): the action head "
                          f"is not stored in it, so --action-space is required, e.g. "
                          f"'{{\"type\": \"Discrete\", \"n\": 2}}'")
-    check_target(Path(out).absolute(), opts.overwrite)
     with (opts.progress or SILENT).stage("load SavedModel"):
         policy, mapping = load_keras_policy(path, source.action_space, observation_space=source.observation_space,
                                             dist_inputs=source.dist_inputs, signature_key=source.signature_key,
@@ -143,12 +153,16 @@ def _convert_keras(path, out, source: SourceOptions, proto, opts: ExportOptions)
     described = {"converted_from": str(Path(path).absolute()), "kind": "keras_base_model",
                  "signature": source.signature_key, "tag": source.tag, "key_mapping": mapping,
                  "action_space": space_to_json(source.action_space)}
-    return _export(policy, out, replace(opts, source=described))
+    return _export(policy, out, replace(opts, source=described), source)
 
 
-def _export(policy, out, opts: ExportOptions):
+def _export(policy, out, opts: ExportOptions, source: SourceOptions | None = None):
+    """Export the loaded ``policy`` (closed after) with ``opts`` checked for it and ``out``; the
+    sample budgets of a SavedModel converted without ``source.observation_space`` are checked here."""
     try:
-        return export_policy(policy, out, opts)
+        if source is not None and source.observation_space is None:
+            opts.check_policy(policy.observation_space)
+        return run_export(policy, out, opts)
     finally:
         policy.close()
 
@@ -180,10 +194,10 @@ def convert_checkpoint(checkpoint: Any, out: str | Path, *, policy_id: str | Non
     """
     checkpoint = _read(checkpoint)
     policy = checkpoint.policy(policy_id)
-    opts = replace(ExportOptions.make(options.pop("options", None), options), device=device)
-    check_target(Path(out).absolute(), opts.overwrite)
-    with run_limit(opts.run_timeout):
-        return _convert_checkpoint_policy(checkpoint, policy, out, use_filter, actions, opts)
+    opts = _options(options, device)
+    opts.check_checkpoint([policy], out)
+    results = run_convert_checkpoint(checkpoint, [policy], out, opts, use_filter=use_filter, actions=actions)
+    return results[policy.policy_id]
 
 
 def convert_checkpoint_policies(checkpoint: Any, out: str | Path, *, use_filter: bool = True,
@@ -196,24 +210,34 @@ def convert_checkpoint_policies(checkpoint: Any, out: str | Path, *, use_filter:
     Returns:
         policy id -> :class:`exporter.ExportResult`, in the checkpoint's order.
     """
+    checkpoint = _read(checkpoint)
+    policies = list(checkpoint.policies.values())
+    opts = _options(options, device)
+    opts.check_checkpoint(policies, out, each=True)
+    return run_convert_checkpoint(checkpoint, policies, out, opts, each=True, use_filter=use_filter, actions=actions)
+
+
+def run_convert_checkpoint(checkpoint, policies, out: str | Path, opts: ExportOptions, *, each: bool = False,
+                           use_filter: bool = True, actions: str = "environment") -> dict[str, Any]:
+    """Convert ``policies`` of ``checkpoint`` (read) to ``out``, each to ``out/<policy id>`` when
+    ``each``, once ``opts`` passed :meth:`ExportOptions.check_checkpoint` for them (the command
+    line checks before TensorFlow loads); when one fails, the exports this call wrote are removed
+    again (and ``out`` when it made it for them) and the error is raised.
+
+    Returns:
+        policy id -> :class:`exporter.ExportResult`, in the order of ``policies``.
+    """
     import shutil
 
-    checkpoint = _read(checkpoint)
-    opts = replace(ExportOptions.make(options.pop("options", None), options), device=device)
-    from policy_export.errors import ExportError
-
+    targets = {policy.policy_id: checkpoint_target(out, policy.policy_id, each) for policy in policies}
     root = Path(out).absolute()
-    if root.is_symlink() or (root.exists() and not root.is_dir()):
-        raise ExportError(f"output path {root} is a symbolic link or a file; the exports go into a directory")
-    created = not root.exists()
-    targets = {pid: root / pid for pid in checkpoint.policies}
-    for target in targets.values():
-        check_target(target, opts.overwrite)
+    created = each and not root.exists()
     done: dict[str, Any] = {}
     try:
         with run_limit(opts.run_timeout):
-            for pid, policy in checkpoint.policies.items():
-                done[pid] = _convert_checkpoint_policy(checkpoint, policy, targets[pid], use_filter, actions, opts)
+            for policy in policies:
+                done[policy.policy_id] = _convert_checkpoint_policy(checkpoint, policy, targets[policy.policy_id],
+                                                                    use_filter, actions, opts)
     except BaseException:
         for pid in done:
             shutil.rmtree(targets[pid], ignore_errors=True)

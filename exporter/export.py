@@ -4,11 +4,11 @@
     result = export_spec("fixtures/cartpole_mlp", "out/cartpole")
     result.parity.passed, [r.max_abs_err for r in result.parity.records]
 
-Stages: check the options (:mod:`exporter.options`), build the signature, write each format into
-a staging directory (:mod:`exporter.staging`), run the TF session on the parity plan's inputs
-(:mod:`exporter.parity.plan`), replay the plan on every format fresh from disk
-(:mod:`exporter.parity.replay`), write the golden files and the manifest, and rename the staging
-directory into place only if every check passed.
+Stages: check the options against the policy and the target (:mod:`exporter.options`), build the
+signature, write each format into a staging directory (:mod:`exporter.staging`), run the TF session
+on the parity plan's inputs (:mod:`exporter.parity.plan`), replay the plan on every format fresh
+from disk (:mod:`exporter.parity.replay`), write the golden files and the manifest, and rename the
+staging directory into place only if every check passed.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 from policy_export.errors import ConversionError, ExportError, InputError, ParityFailedError
 from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
-from policy_export.exporter.devices import DevicePlan, plan_devices
+from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
-from policy_export.exporter.options import ExportOptions, serving_name
+from policy_export.exporter.options import ExportOptions, check_tolerance_keys, replace, serving_name
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
 from policy_export.exporter.parity import reference, replay
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32_tolerances
@@ -35,7 +35,7 @@ from policy_export.exporter.parity.exploration import summarize as summarize_exp
 from policy_export.exporter.parity.plan import ParityPlan, write_plan
 from policy_export.exporter.parity.plan import manifest_record as parity_manifest_record
 from policy_export.exporter.progress import SILENT, MemoryTrace, Progress, peak_rss_mb, release_memory
-from policy_export.exporter.staging import check_target, staged_directory
+from policy_export.exporter.staging import staged_directory
 from policy_export.exporter.watchdog import run_limit
 from policy_export.policy.spaces import leaves, space_to_json
 from policy_export.signatures.builder import build_signature
@@ -94,38 +94,46 @@ def export_policy(policy, out: str | Path, options: ExportOptions | None = None,
         ExportExistsError, ExportBusyError, ExportError, InputError, DeviceError: see their docs.
     """
     opts = ExportOptions.make(options, keywords)
+    opts.check_export(policy.observation_space, out)
     with run_limit(opts.run_timeout):
-        return _Export(policy, Path(out), opts).run()
+        return run_export(policy, out, opts)
+
+
+def run_export(policy, out: str | Path, opts: ExportOptions) -> ExportResult:
+    """:func:`export_policy` once ``opts`` passed :meth:`ExportOptions.check_export` for ``policy``
+    and ``out`` (a pipeline that knows them earlier checks there), under the run limit in force."""
+    return _Export(policy, Path(out), opts).run()
 
 
 def export_spec(spec, out: str | Path, options: ExportOptions | None = None, **keywords: Any) -> ExportResult:
     """Build the policy of a spec (a :class:`policy.PolicySpec`, or the path of its directory or
     ``policy.json``) and :func:`export_policy` it; ``options`` as for :func:`export_policy`."""
     from policy_export.policy.spec import PolicySpec, load_spec
-    from policy_export.policy.tf_policy import TFPolicy
 
     opts = ExportOptions.make(options, keywords)
-    plan = plan_devices(opts.device)
     spec = spec if isinstance(spec, PolicySpec) else load_spec(spec)
-    opts.check_policy(spec.observation_space)
-    check_target(Path(out).absolute(), opts.overwrite)
+    opts.check_export(spec.observation_space, out)
+    return run_export_spec(spec, out, opts)
+
+
+def run_export_spec(spec, out: str | Path, opts: ExportOptions) -> ExportResult:
+    """:func:`export_spec` of a loaded spec once ``opts`` passed :meth:`ExportOptions.check_export`
+    for its observation space and ``out`` (the command line checks before TensorFlow loads)."""
+    from policy_export.policy.tf_policy import TFPolicy
+
+    plan = plan_devices(opts.device)
     start = time.perf_counter()
     with (opts.progress or SILENT).stage("graph build"):
         policy = TFPolicy.from_spec(spec, device=plan.tf_device)
     build, build_peak = time.perf_counter() - start, peak_rss_mb()
     try:
-        result = export_policy(policy, out, _with_device(opts, plan))
+        with run_limit(opts.run_timeout):
+            result = run_export(policy, out, replace(opts, device=plan))
     finally:
         policy.close()
     result.timings["graph build"] = build
     result.peak_rss_mb["graph build"] = build_peak
     return result
-
-
-def _with_device(opts: ExportOptions, plan: DevicePlan) -> ExportOptions:
-    from policy_export.exporter.options import replace
-
-    return replace(opts, device=plan)
 
 
 @contextlib.contextmanager
@@ -160,7 +168,8 @@ class _Export:
         self.device = plan_devices(opts.device)
         self.tolerances = tf32_tolerances(opts.tolerances or Tolerances(), self.device)
         self.signature = build_signature(policy)
-        opts.check_policy(policy.observation_space, self.signature.contract.output_keys)
+        if opts.tolerances is not None:
+            check_tolerance_keys(opts.tolerances, self.signature.contract.output_keys)
         self.chosen = _writable(policy, opts.formats, opts.explicit_formats)
         self.thresholds = behaviour_thresholds.resolve([f.name for f in self.chosen if f.capabilities.lossy],
                                                        opts.behaviour)
@@ -173,7 +182,7 @@ class _Export:
         self.missing: dict[str, str] = {}
 
     def run(self) -> ExportResult:
-        with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite) as stage:
+        with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite, checked=True) as stage:
             records = self._write_formats(stage)
             start = time.perf_counter()
             plan, explore = reference.session_plan(self.policy, self.signature.contract, self.opts, self.progress)

@@ -1,23 +1,26 @@
-"""Every cheap check of a command's options, once, without TensorFlow.
+"""Every check of a command's options, in one place, without TensorFlow.
 
-:class:`ExportOptions` and :class:`VerifyOptions` check their values when they are made; the
-command line makes them from its arguments before TensorFlow loads, the Python API from its
-keywords, and the pipelines take them as made, so a refusal reads the same from either and runs
-once. What needs the policy (the sample budget of its observation space, tolerance keys of its
-outputs) is checked by :meth:`ExportOptions.check_policy`, also once.
+:class:`ExportOptions`, :class:`VerifyOptions` and :class:`RolloutOptions` check their values
+when they are made, and :func:`replace` checks the values it changes; the command line makes them
+from its arguments before TensorFlow loads, the Python API from its keywords, and the pipelines
+take them as made, so a refusal reads the same from either and is made once. What an export
+needs besides its options, the sample budgets of its policy's observation space and its target
+directory, is checked by :meth:`ExportOptions.check_export`, once, where the pipeline first knows
+them; the tolerance keys of the policy's outputs, once its signature is built.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from policy_export.errors import InputError
+from policy_export.errors import ExportError, InputError
 from policy_export.exporter import formats as registry
 from policy_export.exporter.defaults import (
     DEFAULT_BATCH, DEFAULT_EXPLORE_SAMPLES, DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OBSERVATIONS, DEFAULT_OPSET,
@@ -26,6 +29,7 @@ from policy_export.exporter.defaults import (
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.parity.compare import Tolerances
 from policy_export.exporter.progress import Progress
+from policy_export.exporter.staging import check_target
 from policy_export.exporter.watchdog import check_run_timeout
 from policy_export.policy.spaces import MAX_SAMPLES, check_sample_budget
 
@@ -111,8 +115,72 @@ def check_tolerance_keys(tolerances: Tolerances, output_keys: Sequence[str], als
         raise InputError(f"tolerance given for unknown output(s) {unknown}; outputs are {list(output_keys)}")
 
 
+def _opset(value: int) -> int:
+    check_opset(value)
+    return value
+
+
+def _model_name(value: str | None) -> str | None:
+    if value is not None:
+        check_model_name(value)
+    return value
+
+
+def _tolerances(value: Tolerances | None) -> Tolerances | None:
+    if value is not None and not isinstance(value, Tolerances):
+        raise InputError(f"tolerances must be a Tolerances, got {type(value).__name__}")
+    return value
+
+
+def _count(name: str, least: int, most: int | None = None) -> Callable[[Any], int]:
+    return lambda value: check_count(name, value, least, most)
+
+
+def _server(value: str | None) -> str | None:
+    if value not in (None, "triton"):
+        raise InputError(f"server {value!r} is not one of: triton")
+    if value is not None:
+        from policy_export.exporter.compat import require
+
+        require(("pytriton", "tritonclient"), "serve", f"verify --server {value}")
+    return value
+
+
+def _optional(rule: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else rule(value)
+
+
+def _return_tolerance(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InputError(f"return_tolerance (--return-tolerance) must be a finite number >= 0, got {value!r}")
+    return value
+
+
+def _rollout_formats(value: Sequence[str] | None) -> Sequence[str] | None:
+    if value is not None and (isinstance(value, str) or not value):
+        raise InputError("formats (--formats): give two or more formats, e.g. saved_model,onnx, or leave it out "
+                         "for saved_model,onnx")
+    return value
+
+
+class _Checked:
+    """Options checked when made: ``RULES`` maps a field to the function that checks its value
+    and returns it as kept (in the order the fields are checked); :func:`replace` checks the
+    fields it changes."""
+
+    RULES: dict[str, Callable[[Any], Any]] = {}
+
+    def __post_init__(self):
+        self._check(self.RULES)
+
+    def _check(self, names: Collection[str]) -> None:
+        for name, rule in self.RULES.items():
+            if name in names:
+                object.__setattr__(self, name, rule(getattr(self, name)))
+
+
 @dataclass(frozen=True)
-class ExportOptions:
+class ExportOptions(_Checked):
     """What :func:`exporter.export.export_policy` takes besides the policy and the target (the
     keywords of the Python API, one for one; see its docstring). Checked when made."""
 
@@ -135,48 +203,68 @@ class ExportOptions:
     model_name: str | None = None
     model_version: int = 1
 
-    def __post_init__(self):
-        set_ = object.__setattr__
-        set_(self, "explicit_formats", self.formats is not None)
-        set_(self, "formats", resolve_formats(self.formats))
-        check_opset(self.opset)
-        check_count("samples", self.samples, 1, MAX_SAMPLES)
-        check_count("seed", self.seed, 0, MAX_SEED)
-        check_count("batch_size", self.batch_size, 1)
-        check_count("explore_samples", self.explore_samples, 0, MAX_SAMPLES)
-        check_count("stepped_steps", self.stepped_steps, 0, MAX_SAMPLES)
-        check_count("external_data_threshold", self.external_data_threshold, 0)
-        set_(self, "run_timeout", check_run_timeout(self.run_timeout))
-        if self.model_name is not None:
-            check_model_name(self.model_name)
-        check_count("model_version", self.model_version, 1, MAX_MODEL_VERSION)
-        if self.tolerances is not None and not isinstance(self.tolerances, Tolerances):
-            raise InputError(f"tolerances must be a Tolerances, got {type(self.tolerances).__name__}")
-        set_(self, "budgeted", [])  # the observation spaces whose sample budget these counts passed
+    RULES = {"formats": resolve_formats, "opset": _opset, "samples": _count("samples", 1, MAX_SAMPLES),
+             "seed": _count("seed", 0, MAX_SEED), "batch_size": _count("batch_size", 1),
+             "explore_samples": _count("explore_samples", 0, MAX_SAMPLES),
+             "stepped_steps": _count("stepped_steps", 0, MAX_SAMPLES),
+             "external_data_threshold": _count("external_data_threshold", 0), "run_timeout": check_run_timeout,
+             "model_name": _model_name, "model_version": _count("model_version", 1, MAX_MODEL_VERSION),
+             "tolerances": _tolerances}
+
+    def _check(self, names: Collection[str]) -> None:
+        if "formats" in names:  # formats left to the default stay so (skipped, not refused, if unwritable)
+            object.__setattr__(self, "explicit_formats", self.formats is not None)
+        super()._check(names)
 
     @classmethod
     def make(cls, options: "ExportOptions | None", keywords: Mapping[str, Any]) -> "ExportOptions":
         """``options`` as given, or made from ``keywords`` (not both)."""
         return _make(cls, options, keywords)
 
-    def check_policy(self, observation_space, output_keys: Sequence[str] | None = None) -> None:
-        """The checks that need the policy: sample budgets of its observation space, tolerance keys
-        of its outputs (when known: ``None`` before the policy is built). A space whose budget
-        passed already (the command line checks before TensorFlow loads, the export again when
-        called directly) is not checked twice."""
-        if not any(space is observation_space for space in self.budgeted):
-            check_sample_budget(self.samples, observation_space, "samples (--samples)")
-            if self.explore_samples:
-                check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
-                                    f"explore_samples (--explore-samples) {self.explore_samples} x "
-                                    f"{DEFAULT_OBSERVATIONS} observations:")
-            self.budgeted.append(observation_space)
-        if self.tolerances is not None and output_keys is not None:
-            check_tolerance_keys(self.tolerances, output_keys)
+    def check_policy(self, observation_space) -> None:
+        """The sample budgets of the observation space the export samples (``samples``, and
+        ``explore_samples`` per exploration observation)."""
+        check_sample_budget(self.samples, observation_space, "samples (--samples)")
+        if self.explore_samples:
+            check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
+                                f"explore_samples (--explore-samples) {self.explore_samples} x "
+                                f"{DEFAULT_OBSERVATIONS} observations:")
+
+    def check_export(self, observation_space, out: str | Path) -> None:
+        """What an export of a policy with ``observation_space`` to ``out`` must pass before any
+        work: the sample budgets (:meth:`check_policy`; ``None``: the space is known only once the
+        policy is loaded, whose budgets are then checked) and the target
+        (:func:`exporter.staging.check_target`, with ``overwrite``).
+
+        Each pipeline runs it once, where it first knows both: the command line before TensorFlow
+        loads, the Python API's functions on entry; the stages after it take both as checked.
+        """
+        if observation_space is not None:
+            self.check_policy(observation_space)
+        check_target(out, self.overwrite)
+
+    def check_checkpoint(self, policies: Sequence[Any], out: str | Path, each: bool = False) -> None:
+        """:meth:`check_export` for converting ``policies`` of an RLlib checkpoint (each a
+        :class:`~exporter.sources.checkpoint.CheckpointPolicy`, whose export samples the
+        environment's observation space) to ``out``, or to ``out/<policy id>`` each when ``each``
+        (``out`` is then a directory to hold them, or not there yet)."""
+        root = Path(out).absolute()
+        if each and (root.is_symlink() or (root.exists() and not root.is_dir())):
+            raise ExportError(f"output path {root} is a symbolic link or a file; the exports go into a directory")
+        for policy in policies:
+            self.check_export(policy.original_observation_space or policy.observation_space,
+                              checkpoint_target(out, policy.policy_id, each))
+
+
+def checkpoint_target(out: str | Path, policy_id: str, each: bool = False) -> Path:
+    """Where converting the checkpoint policy ``policy_id`` to ``out`` writes its export: ``out``
+    itself, or ``out/<policy id>`` when each policy of the checkpoint is converted."""
+    root = Path(out).absolute()
+    return root / policy_id if each else root
 
 
 @dataclass(frozen=True)
-class VerifyOptions:
+class VerifyOptions(_Checked):
     """What :func:`exporter.verify.verify_export` takes besides the export (see its docstring)."""
 
     samples: int = 0
@@ -192,20 +280,9 @@ class VerifyOptions:
     run_timeout: float | None = None
     server: str | None = None  # "triton": also serve the export and check it through the server's clients
 
-    def __post_init__(self):
-        if self.server not in (None, "triton"):
-            raise InputError(f"server {self.server!r} is not one of: triton")
-        if self.server is not None:
-            from policy_export.exporter.compat import require
-
-            require(("pytriton", "tritonclient"), "serve", f"verify --server {self.server}")
-        check_count("samples", self.samples, 0, MAX_SAMPLES)
-        check_count("seed", self.seed, 0, MAX_SEED)
-        check_count("batch_size", self.batch_size, 1)
-        object.__setattr__(self, "expect_manifest_sha256", check_pin(self.expect_manifest_sha256))
-        object.__setattr__(self, "run_timeout", check_run_timeout(self.run_timeout))
-        if self.tolerances is not None and not isinstance(self.tolerances, Tolerances):
-            raise InputError(f"tolerances must be a Tolerances, got {type(self.tolerances).__name__}")
+    RULES = {"server": _server, "samples": _count("samples", 0, MAX_SAMPLES), "seed": _count("seed", 0, MAX_SEED),
+             "batch_size": _count("batch_size", 1), "expect_manifest_sha256": check_pin,
+             "run_timeout": check_run_timeout, "tolerances": _tolerances}
 
     @classmethod
     def make(cls, options: "VerifyOptions | None", keywords: Mapping[str, Any]) -> "VerifyOptions":
@@ -214,7 +291,7 @@ class VerifyOptions:
 
 
 @dataclass(frozen=True)
-class RolloutOptions:
+class RolloutOptions(_Checked):
     """What :func:`exporter.rollout.rollout` takes besides the export and the environment (see its docstring)."""
 
     episodes: int = DEFAULT_EPISODES
@@ -225,15 +302,9 @@ class RolloutOptions:
     return_tolerance: float = DEFAULT_RETURN_TOLERANCE
     run_timeout: float | None = None
 
-    def __post_init__(self):
-        check_count("episodes", self.episodes, 1, MAX_SAMPLES)
-        check_count("seed", self.seed, 0, MAX_SEED)
-        if self.max_steps is not None:
-            check_count("max_steps", self.max_steps, 1)
-        value = self.return_tolerance
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise InputError(f"return_tolerance (--return-tolerance) must be a finite number >= 0, got {value!r}")
-        object.__setattr__(self, "run_timeout", check_run_timeout(self.run_timeout))
+    RULES = {"formats": _rollout_formats, "episodes": _count("episodes", 1, MAX_SAMPLES),
+             "seed": _count("seed", 0, MAX_SEED), "max_steps": _optional(_count("max_steps", 1)),
+             "return_tolerance": _return_tolerance, "run_timeout": check_run_timeout}
 
     @classmethod
     def make(cls, options: "RolloutOptions | None", keywords: Mapping[str, Any]) -> "RolloutOptions":
@@ -252,11 +323,14 @@ def _make(cls, options, keywords: Mapping[str, Any]):
 
 
 def replace(options, **changes):
-    """``options`` with ``changes``, checked again (formats left to the default stay so; the
-    sample budgets already passed carry over unless the sample counts change)."""
-    if "formats" not in changes and getattr(options, "explicit_formats", True) is False:
-        changes["formats"] = None  # formats left to the default stay so (skipped, not refused, if unwritable)
-    new = dataclasses.replace(options, **changes)
-    if hasattr(options, "budgeted") and not {"samples", "explore_samples"} & changes.keys():
-        object.__setattr__(new, "budgeted", options.budgeted)
+    """``options`` with ``changes``, each changed value checked (the others were checked when
+    ``options`` was made); formats left to the default stay so unless ``formats`` is changed."""
+    known = {f.name for f in dataclasses.fields(options)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"{type(options).__name__} has no option(s) {unknown}")
+    new = copy.copy(options)
+    for name, value in changes.items():
+        object.__setattr__(new, name, value)
+    new._check(changes)
     return new

@@ -477,9 +477,11 @@ def _recover(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_directory(out: str | Path, overwrite: bool = False, *, checked: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out``; on success rename it to ``out``.
 
+    ``out`` is first checked with :func:`check_target`, unless ``checked`` says the caller did
+    so before its work began; under the lock, and again at the rename, it is checked either way.
     On an exception, an interrupt, SIGINT, SIGTERM or SIGHUP the temporary directory is removed,
     the lock released and ``out`` untouched (the signals are raised as :class:`Interrupted`,
     and a signal whose exception was swallowed still stops the export before the rename).
@@ -490,7 +492,8 @@ def staged_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
         Interrupted: a signal arrived before the export was in place.
     """
     out = normalise(out)
-    check_target(out, overwrite)
+    if not checked:
+        check_target(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

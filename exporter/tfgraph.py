@@ -23,12 +23,24 @@ def freeze_tensors(policy, tensor_names: list[str]) -> tf1.GraphDef:
     """:func:`freeze` for the tensors named ``tensor_names``."""
     output_nodes = sorted({n.split(":")[0] for n in tensor_names})
     graph_def, _ = drop_write_only_updates(policy.graph.as_graph_def(), output_nodes)
+    return converter_rewrites(freeze_session(policy.session, output_nodes, graph_def))
+
+
+def freeze_session(session, output_nodes: list[str], graph_def: tf1.GraphDef | None = None,
+                   what: str = "the policy graph") -> tf1.GraphDef:
+    """``graph_def`` (default: the session's whole graph) pruned to what ``output_nodes`` need,
+    with the session's variable values folded into constants: the one freezing step of every
+    route (a policy built here, a live RLlib policy, a loaded SavedModel).
+
+    Raises:
+        ExportError: a variable cannot be read, or the graph cannot be frozen.
+    """
+    graph_def = session.graph.as_graph_def() if graph_def is None else graph_def
     try:
-        with policy.graph.as_default():
-            frozen = tf1.graph_util.convert_variables_to_constants(policy.session, graph_def, output_nodes)
+        with session.graph.as_default():
+            return tf1.graph_util.convert_variables_to_constants(session, graph_def, sorted(output_nodes))
     except (tf.errors.OpError, ValueError, AssertionError) as e:
-        raise ExportError(f"freezing the policy graph failed: {e}") from e
-    return converter_rewrites(frozen)
+        raise ExportError(f"freezing {what} failed: {e}") from e
 
 
 XENT_OP = "SparseSoftmaxCrossEntropyWithLogits"
@@ -321,7 +333,9 @@ def _evaluate(graph_def, tensors: list[str], feeds: dict | None = None) -> list:
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(sub, name="")
-    with tf1.Session(graph=graph) as sess:
+    from policy_export.exporter.watchdog import stoppable_session
+
+    with stoppable_session(graph, None, "a constant part of the graph") as sess:  # a signal stops it too
         fed = {}
         for k, v in (feeds or {}).items():
             tensor = graph.get_tensor_by_name(k if ":" in k else k + ":0")

@@ -37,13 +37,14 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from policy_export.exporter.oplist import ALLOWED_OPS
 from policy_export.policy.files import read_regular  # noqa: F401 (re-exported: the readers' one door)
-from policy_export.errors import ExportError, UnsafeModelError  # noqa: F401 (UnsafeModelError: raised here)
+from policy_export.errors import ExportError, PolicyExportError, UnsafeModelError  # noqa: F401 (UnsafeModelError: raised here)
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +227,19 @@ def check_graph_def(graph_def, where: str, *, budget: int | None = None) -> None
 # ---------------------------------------------------------------------------------------- pruning
 
 
-def prune_to_serving(meta, signature_key: str = "serving_default", where: str = "the SavedModel"):
-    """A copy of ``meta`` holding only what ``signature_key``, the init op and the saver's restore
-    op need: main-graph nodes by input closure (control inputs included), library functions by
-    reachability; the saver definition, that signature, the init signature/collections and the
-    variable collections (filtered to kept variables) are kept, everything else dropped.
+def prune_to_serving(meta, signature_key: str = "serving_default", where: str = "the SavedModel", *,
+                     restore: str = "saver"):
+    """A copy of ``meta`` holding only what ``signature_key`` and the variables' restore need:
+    main-graph nodes by input closure (control inputs included), library functions by
+    reachability; that signature and the variable collections (filtered to kept variables) are
+    kept, everything else dropped. ``restore`` says how the loader gives variables their values:
+
+    - ``"saver"``: the saver's restore op, then the init op (what TensorFlow's loader runs): both
+      are kept, with the saver definition and the init signature/collections, and each kept
+      resource variable's own read (what freezing its value fetches);
+    - ``"initializers"``: values fed into each variable's initializer (a loader that reads the
+      variables itself): each kept variable's initializer and snapshot are kept, and neither the
+      saver nor the init op.
 
     Returns:
         a new ``MetaGraphDef``; the input is not changed.
@@ -241,32 +250,55 @@ def prune_to_serving(meta, signature_key: str = "serving_default", where: str = 
 
     from policy_export.signatures.builder import find_signature
 
+    if restore not in ("saver", "initializers"):
+        raise ValueError(f"restore must be 'saver' or 'initializers', got {restore!r}")
+    by_saver = restore == "saver"
     sig = find_signature(meta, signature_key, where)
-    roots = [t.name for t in (*sig.inputs.values(), *sig.outputs.values())] + init_roots(meta)
-    if meta.HasField("saver_def"):
-        roots += [meta.saver_def.restore_op_name, meta.saver_def.filename_tensor_name]
+    roots = [t.name for t in (*sig.inputs.values(), *sig.outputs.values())]
+    if by_saver:
+        roots += init_roots(meta)
+        if meta.HasField("saver_def"):
+            roots += [meta.saver_def.restore_op_name, meta.saver_def.filename_tensor_name]
     out = meta_graph_pb2.MetaGraphDef()
     out.meta_info_def.CopyFrom(meta.meta_info_def)
     kept = prune_graph_def(meta.graph_def, roots)
-    # each kept resource variable's own read (what freezing its value fetches)
-    present = {n.name for n in meta.graph_def.node}
-    reads = [f"{n.name}/Read/ReadVariableOp" for n in kept.node if n.op == "VarHandleOp"]
-    kept = prune_graph_def(meta.graph_def, roots + [r for r in reads if r in present])
+    if by_saver:  # each kept resource variable's own read (what freezing its value fetches)
+        present = {n.name for n in meta.graph_def.node}
+        reads = [f"{n.name}/Read/ReadVariableOp" for n in kept.node if n.op == "VarHandleOp"]
+        extra = [r for r in reads if r in present]
+    else:  # what tf1.train.import_meta_graph rebuilds each kept variable from
+        extra = _variable_initializers(meta, {n.name for n in kept.node})
+    kept = prune_graph_def(meta.graph_def, roots + extra)
     out.graph_def.CopyFrom(kept)
-    if meta.HasField("saver_def"):
-        out.saver_def.CopyFrom(meta.saver_def)
     out.signature_def[signature_key].CopyFrom(sig)
-    if INIT_SIGNATURE in meta.signature_def:
-        out.signature_def[INIT_SIGNATURE].CopyFrom(meta.signature_def[INIT_SIGNATURE])
+    if by_saver:
+        if meta.HasField("saver_def"):
+            out.saver_def.CopyFrom(meta.saver_def)
+        if INIT_SIGNATURE in meta.signature_def:
+            out.signature_def[INIT_SIGNATURE].CopyFrom(meta.signature_def[INIT_SIGNATURE])
+        for name in INIT_COLLECTIONS:
+            if name in meta.collection_def:
+                out.collection_def[name].CopyFrom(meta.collection_def[name])
     kept = {n.name for n in out.graph_def.node}
-    for name in INIT_COLLECTIONS:
-        if name in meta.collection_def:
-            out.collection_def[name].CopyFrom(meta.collection_def[name])
     for name in VARIABLE_COLLECTIONS:
         if name in meta.collection_def:
             keep = [b for b in meta.collection_def[name].bytes_list.value if _variable_node(b) in kept]
             if keep:
                 out.collection_def[name].bytes_list.value.extend(keep)
+    return out
+
+
+def _variable_initializers(meta, kept: set[str]) -> list[str]:
+    """The initializer and snapshot nodes of the variables of ``meta``'s collections among ``kept``."""
+    from tensorflow.core.framework import variable_pb2
+
+    out = []
+    for name in VARIABLE_COLLECTIONS:
+        for data in meta.collection_def[name].bytes_list.value if name in meta.collection_def else ():
+            var = variable_pb2.VariableDef()
+            var.ParseFromString(data)
+            if _node_name(var.variable_name) in kept:
+                out += [n for n in (var.initializer_name, var.snapshot_name) if n]
     return out
 
 
@@ -606,39 +638,81 @@ def glob_free_path(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_saved_model(path: str | Path, session, tag: str = "serve", signature_key: str | None = None, *,
-                     proto=None):
-    """Load the SavedModel at ``path`` into ``session`` (its graph) from the one read of its file,
-    as ``tf1.saved_model.loader.load`` would, but only what :func:`prune_to_serving` keeps for
-    ``signature_key`` (``None``: every signature) and only after :func:`check_meta_graph` passed:
-    import the checked meta graph, restore the variables with the saver's own restore op from
-    ``path/variables/variables``, run the init op. Returns the (pruned) MetaGraphDef.
+@dataclass
+class LoadedGraph:
+    """A SavedModel's graph in its own session (:func:`open_saved_model`).
 
-    The file is read once (:func:`read_saved_model`, or the already-read ``proto``): what is
-    checked is what is loaded, even if the file changes meanwhile.
+    ``session`` is a :func:`exporter.watchdog.stoppable_session`: every later run of the file's
+    graph keeps the run limit and stops on signals too. ``meta`` is the (pruned) meta graph that
+    was checked and imported; ``restored`` what a ``restore`` callable returned.
+    """
+
+    session: Any
+    meta: Any
+    restored: Any = None
+
+    @property
+    def graph(self):
+        return self.session.graph
+
+
+def open_saved_model(path: str | Path, *, tag: str = "serve", signature_key: str | None = None,
+                     device: str | None = None, proto=None, meta=None,
+                     restore: Callable[[Any], Any] | None = None, config=None) -> LoadedGraph:
+    """The one way the graph of a SavedModel reaches TensorFlow, for every route that loads one
+    (``convert`` of an RLlib export or a Keras base model, verify of the SavedModel, TF Serving and
+    Keras formats).
+
+    In order: the file is read once (:func:`read_saved_model`, or the already-read ``proto``); the
+    meta graph with ``tag`` is cut to what ``signature_key`` needs (:func:`prune_to_serving`;
+    ``None``: every signature), or ``meta`` is taken as already cut; it is checked
+    (:func:`check_meta_graph`) before any of its ops can run; it is imported into a new graph
+    whose session is a stoppable one (the run limit of :func:`exporter.watchdog.run_limit` and
+    SIGINT/SIGTERM hold on every run); then the variables are restored and the init op runs, as
+    ``tf1.saved_model.loader.load`` would: the saver's own restore op reading
+    ``path/variables/variables`` and the init op, or ``restore(session)`` instead of both.
+    ``device``: the TF device the graph is placed on (``None``: TensorFlow's choice); with a
+    ``restore`` callable the file's own device placements are cleared on import.
 
     Raises:
         UnsafeModelError: an op that may not be loaded (nothing was run).
+        RunTimeoutError: the restore or init op did not finish within the run limit.
         ExportError: not a SavedModel with ``tag``, or its variables cannot be restored.
     """
     import tensorflow as tf
     from tensorflow.python.framework import meta_graph as meta_graph_lib
 
+    from policy_export.exporter.watchdog import stoppable_session
+    from policy_export.policy.graph import session_config
+
     path = Path(path)
-    proto = read_saved_model(path) if proto is None else proto
-    meta = select_meta_graph(proto, tag, str(path))
-    meta = prune_to_serving(meta, signature_key, str(path)) if signature_key is not None else meta
+    if meta is None:
+        proto = read_saved_model(path) if proto is None else proto
+        meta = select_meta_graph(proto, tag, str(path))
+        meta = prune_to_serving(meta, signature_key, str(path)) if signature_key is not None else meta
     check_meta_graph(meta, str(path), budget=saved_model_budget(path))  # before any of its ops can run
-    graph = session.graph
+    graph = tf.Graph()
+    session = stoppable_session(graph, config if config is not None else session_config(device),
+                                f"SavedModel {path}")
+    restored = None
     try:
-        with graph.as_default(), glob_free_path(path) as alias:
-            meta_graph_lib.import_scoped_meta_graph(meta)
-            if meta.HasField("saver_def"):
-                session.run(meta.saver_def.restore_op_name,
-                            {meta.saver_def.filename_tensor_name: str(alias / "variables" / "variables")})
-            init = init_roots(meta)
-            if init:
-                session.run([graph.as_graph_element(n) for n in init])
+        with graph.as_default(), tf.device(device), glob_free_path(path) as alias:
+            meta_graph_lib.import_scoped_meta_graph(meta, clear_devices=restore is not None)
+            if restore is not None:
+                restored = restore(session)
+            else:
+                if meta.HasField("saver_def"):
+                    session.run(meta.saver_def.restore_op_name,
+                                {meta.saver_def.filename_tensor_name: str(alias / "variables" / "variables")})
+                init = init_roots(meta)
+                if init:
+                    session.run([graph.as_graph_element(n) for n in init])
     except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
+        session.close()
+        if isinstance(e, PolicyExportError):
+            raise
         raise ExportError(f"{path} is not a loadable SavedModel with tag {tag!r}: {e}") from e
-    return meta
+    except BaseException:
+        session.close()
+        raise
+    return LoadedGraph(session, meta, restored)

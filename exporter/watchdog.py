@@ -185,11 +185,17 @@ def _session_class():
             limit = current_limit()
             if options is None:
                 options = tf.compat.v1.RunOptions()
+            if options.timeout_in_ms > 0:  # the caller's own, shorter deadline stays
+                limit = min(limit, options.timeout_in_ms / 1000)
             options.timeout_in_ms = max(1, int(limit * 1000))
             parent = super().run
             try:
                 return self._watch.run(lambda: parent(fetches, feed_dict, options, run_metadata), self.close, limit)
             except tf.errors.DeadlineExceededError as e:
                 raise RunTimeoutError(self._watch.label, limit) from e
+
+        def unwatched_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+            """``run`` for a caller that keeps the limit and signals itself (a format runner)."""
+            return super().run(fetches, feed_dict, options, run_metadata)
 
     return StoppableSession

@@ -12,7 +12,8 @@
 
 :class:`SquashedGaussian` (RLlib's SAC and CQL head: a Gaussian squashed by ``tanh`` into
 ``[low, high]``) and :class:`Deterministic` (DDPG's and TD3's actor: the inputs are the action)
-are not chosen by the space; a source that knows its policy uses one asks for it.
+are not chosen by the space; a source that knows its policy uses one asks for it (wrapped in
+:class:`OneLeaf` for the list interface of :class:`ActionDistribution`).
 
 Box actions, deterministic or sampled, are clipped to the space's finite bounds inside the graph,
 so every format computes the same clipped action; ``action_logp`` is the log-density of the
@@ -194,6 +195,30 @@ class Deterministic:
 
     def deterministic_sample(self) -> tf.Tensor:
         return tf.identity(self.inputs)
+
+    def postprocess(self, actions: tf.Tensor, clip: bool = True) -> tf.Tensor:
+        """The actor's output, served as it is."""
+        return actions
+
+
+class OneLeaf:
+    """A single-leaf distribution (:class:`SquashedGaussian`, :class:`Deterministic`) with
+    :class:`ActionDistribution`'s list interface, for a source that chooses the distribution."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def deterministic_sample(self) -> list[tf.Tensor]:
+        return [self.part.deterministic_sample()]
+
+    def sample(self) -> list[tf.Tensor]:
+        return [self.part.sample()]
+
+    def logp(self, actions: list[tf.Tensor]) -> tf.Tensor:
+        return self.part.logp(actions[0])
+
+    def postprocess(self, actions: list[tf.Tensor], clip: bool = True) -> list[tf.Tensor]:
+        return [self.part.postprocess(actions[0], clip)]
 
 
 _DISTRIBUTIONS = {

@@ -20,12 +20,14 @@ import numpy as np
 import tensorflow as tf
 from policy_export.policy.distributions import ActionDistribution
 from policy_export.errors import InputError, UnsupportedSpaceError
-from policy_export.policy.graph import ActionResult, deterministic_path, session_config, unflatten
+from policy_export.policy.graph import ActionResult, session_config, unflatten
+from policy_export.policy.head import action_head
 from policy_export.policy.models import ModelInput, build_recurrent_model, model_inputs, preprocess
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.spec import ModelConfig, PolicySpec
 from policy_export.signatures.keys import (
-    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, action_key, is_action, is_per_step, is_state_in, state_in_key, state_out_key,
+    ACTION_DIST_INPUTS, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP, is_action,
+    is_per_step, is_state_in, state_in_key, state_out_key,
 )
 
 tf1 = tf.compat.v1
@@ -80,12 +82,6 @@ def _prev_features(ph: _Placeholders, act_leaf, act_input: ModelInput | None) ->
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=-1)
 
 
-def _select_actions(dist: ActionDistribution, explore: tf.Tensor):
-    raw = tf.cond(explore, dist.sample, dist.deterministic_sample)
-    raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-    return raw, dist.logp(raw), dist.postprocess(raw)
-
-
 def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     """Build a recurrent :class:`TFPolicy` (see the module docstring)."""
     lstm = spec.model.lstm
@@ -117,12 +113,9 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
             h = tf.where(active, h, ph.state[0])
             c = tf.where(active, c, ph.state[1])
         dist_inputs = tf.identity(dist_inputs, name=ACTION_DIST_INPUTS)
-        dist = ActionDistribution(dist_inputs, spec.action_space)
-        raw, logp, actions = _select_actions(dist, explore)
-        logp = tf.identity(logp, name=ACTION_LOGP)
-        actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(actions)]
         state_out = [tf.identity(h, name=state_out_key(0)), tf.identity(c, name=state_out_key(1))]
-        deterministic = deterministic_path(dist, dist_inputs, {state_out_key(0): state_out[0], state_out_key(1): state_out[1]})
+        head = action_head(spec.action_space, dist_inputs, explore,
+                           extra={state_out_key(i): t for i, t in enumerate(state_out)})
 
         model_io = _sequence_model_io(rm, ph, step_in, prev)
 
@@ -133,12 +126,12 @@ def build_recurrent_policy(cls, spec: PolicySpec, device: str | None):
     session.run(init)
     policy = cls(
         spec.observation_space, spec.action_space, session,
-        observations=ph.obs, sampled_action=actions, action_logp=logp, action_dist_inputs=dist_inputs,
-        explore=explore, is_training=is_training, timestep=timestep,
+        observations=ph.obs, sampled_action=head.actions, action_logp=head.action_logp,
+        action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
         state_inputs=ph.state, state_outputs=state_out, seq_lens=ph.seq_lens,
         prev_action=ph.prev_action, prev_reward=ph.prev_reward,
-        model=rm.sequence_model, model_io=model_io, raw_actions=raw, sequence_graph=sequence, name=spec.name,
-        deterministic_outputs=deterministic,
+        model=rm.sequence_model, model_io=model_io, raw_actions=head.raw_actions, sequence_graph=sequence,
+        name=spec.name, deterministic_outputs=head.deterministic,
         image_inputs=[k for k, s in zip(ph.obs, specs) if s.image],
     )
     if spec.weights is not None:
@@ -173,18 +166,14 @@ def _training_graph(spec: PolicySpec, rm, specs: Sequence[ModelInput], act_leaf,
         args = [*seq_in] + ([add_time(prev)] if prev is not None else [])
         dist_seq, h, c = rm.sequence_model([*args, mask, ph.state[0], ph.state[1]])
         dist_inputs = tf.reshape(dist_seq, (-1, int(dist_seq.shape[-1])))
-        dist = ActionDistribution(dist_inputs, spec.action_space)
-        _, logp, actions = _select_actions(dist, explore)
+        head = action_head(spec.action_space, dist_inputs, explore, deterministic=False)
     inputs = {**ph.obs, state_in_key(0): ph.state[0], state_in_key(1): ph.state[1], SEQ_LENS: ph.seq_lens,
               EXPLORE: explore, TIMESTEP: timestep}
     if ph.prev_action is not None:
         inputs[PREV_ACTION] = ph.prev_action
     if ph.prev_reward is not None:
         inputs[PREV_REWARD] = ph.prev_reward
-    outputs = {action_key(i): a for i, a in enumerate(actions)}
-    outputs.update({state_out_key(0): h, state_out_key(1): c, ACTION_DIST_INPUTS: dist_inputs,
-                    ACTION_LOGP: logp, ACTION_PROB: tf.exp(logp)})
-    return SequenceGraph(inputs, outputs, spec.model.lstm.max_seq_len)
+    return SequenceGraph(inputs, head.outputs([h, c]), spec.model.lstm.max_seq_len)
 
 
 def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, seq_lens, explore: bool,

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 from policy_export.policy import h5io
 from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
+from policy_export.policy.head import action_head
 from policy_export.errors import InputError, PolicyExportError, WeightsError
 from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy's public vocabulary)
     ACTION_DIST_INPUTS,
@@ -207,21 +208,16 @@ class TFPolicy:
                             for leaf, t, s in zip(leaves(spec.observation_space), obs_ph.values(), specs)]
             model = build_model(specs, spec.model, num_outputs, seed=spec.seed)
             dist_inputs = tf.identity(model(model_in if len(model_in) > 1 else model_in[0]), name=ACTION_DIST_INPUTS)
-            dist = ActionDistribution(dist_inputs, spec.action_space)
-            raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
-            raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-            logp = tf.identity(dist.logp(raw), name=ACTION_LOGP)
-            actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(dist.postprocess(raw))]
-            deterministic = deterministic_path(dist, dist_inputs)
+            head = action_head(spec.action_space, dist_inputs, explore)
             init = tf1.global_variables_initializer()
         session = tf1.Session(graph=graph, config=session_config(device))
         session.run(init)
         policy = cls(
             spec.observation_space, spec.action_space, session,
-            observations=obs_ph, sampled_action=actions, action_logp=logp,
+            observations=obs_ph, sampled_action=head.actions, action_logp=head.action_logp,
             action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
-            model=model, model_io=(model_in, [dist_inputs]), raw_actions=raw, name=spec.name,
-            deterministic_outputs=deterministic,
+            model=model, model_io=(model_in, [dist_inputs]), raw_actions=head.raw_actions, name=spec.name,
+            deterministic_outputs=head.deterministic,
             image_inputs=[k for k, s in zip(obs_ph, specs) if s.image],
         )
         if spec.weights is not None:

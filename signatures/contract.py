@@ -8,10 +8,13 @@ A contract is plain data, serialisable to and from JSON, and the same for every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from policy_export.signatures.keys import SEQ_LENS
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,18 @@ class TensorSpec:
             raise ValueError(f"{self.key}: dtype {arr.dtype}, expected {self.dtype}")
         if not self._shape_ok(arr.shape):
             raise ValueError(f"{self.key}: shape {list(arr.shape)}, expected {self.shape_text()}")
+
+    def is_default(self, value: Any) -> bool:
+        """Whether ``value`` holds nothing but this optional input's default: the default itself,
+        or an array of it (any number of rows). A required input has no default: always false."""
+        if self.required:
+            return False
+        arr = np.asarray(value)
+        try:
+            default = np.broadcast_to(np.asarray(self.default, dtype=self.dtype), arr.shape)
+        except ValueError:  # a shape the default cannot take
+            return False
+        return bool(np.array_equal(arr, default))
 
     def _shape_ok(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.shape) and all(d is None or d == s for d, s in zip(self.shape, shape))
@@ -84,6 +99,18 @@ class Contract:
     @property
     def required_inputs(self) -> list[TensorSpec]:
         return [s for s in self.inputs if s.required]
+
+    def non_default_inputs(self, feeds: Mapping[str, Any]) -> list[str]:
+        """The optional inputs that ``feeds`` gives a value other than their default, in contract order.
+
+        An optional input left out of ``feeds``, or fed its default (or an array of nothing but
+        its default), is at its default; ``seq_lens`` is never counted (it says how rows form
+        sequences, not how the policy acts). A served export answers a feed for which this is
+        empty with its batched model, and any other with its sampling model (``<name>_explore``),
+        or refuses it where it has none.
+        """
+        return [s.key for s in self.inputs
+                if not s.required and s.key != SEQ_LENS and s.key in feeds and not s.is_default(feeds[s.key])]
 
     def to_json(self) -> dict[str, Any]:
         return {"signature_key": self.signature_key, "method": self.method,

@@ -7,7 +7,7 @@ contract requires (recurrent policies stepped with the state ONNX Runtime return
 compare with RLlib's ``policy.compute_actions(explore=False)`` on its own filtered observations
 (``expected.npz``; the environment's action is RLlib's ``unsquash_action``/``clip_action`` of it).
 
-``python -m tests.checkpoint_matrix`` prints the table the README quotes.
+``python -m tests.checkpoint_matrix`` prints the table docs/rllib-checkpoints.md quotes.
 """
 
 from __future__ import annotations

@@ -107,3 +107,40 @@ def splice_into_serving_path(pb: Path, build) -> None:
     output = next(iter(signature.outputs.values())).name.split(":")[0]
     next(n for n in meta.graph_def.node if n.name == output).input.append(f"^{waited_on}")
     pb.write_bytes(proto.SerializeToString())
+
+
+def splice_endless_init(pb: Path) -> None:
+    """Make what loading the SavedModel at ``pb`` runs before any signature loop for ever: an
+    endless ``while`` (allowed ops only, so the file passes the op check) becomes the init op
+    (``saved_model_main_op``) and a control input of every variable's initializer (a loader that
+    assigns variable values itself runs those instead of the init op)."""
+    import tensorflow as tf
+    from tensorflow.core.framework import variable_pb2
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    tf1 = tf.compat.v1
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString(pb.read_bytes())
+    meta = proto.meta_graphs[0]
+    scratch = tf.Graph()
+    with scratch.as_default(), tf1.name_scope("endless_init"):
+        start = tf1.placeholder_with_default(tf.constant(0, tf.int64), [], name="start")  # not folded away
+        done = tf.while_loop(lambda i: i < tf.constant(2**62, tf.int64), lambda i: i + 1, [start])
+        main_op = tf.group(done, name="main_op")
+    scratch_def = scratch.as_graph_def()
+    meta.graph_def.node.extend(scratch_def.node)
+    meta.graph_def.library.function.extend(scratch_def.library.function)
+    initializers = set()
+    for key in ("variables", "local_variables"):
+        for data in meta.collection_def[key].bytes_list.value if key in meta.collection_def else ():
+            var = variable_pb2.VariableDef()
+            var.ParseFromString(data)
+            initializers.add(var.initializer_name)
+    for node in meta.graph_def.node:
+        if node.name in initializers:
+            node.input.append(f"^{main_op.name}")
+    for key in ("saved_model_main_op", "legacy_init_op"):
+        meta.collection_def.pop(key, None)
+    meta.signature_def.pop("__saved_model_init_op", None)
+    meta.collection_def["saved_model_main_op"].node_list.value.append(main_op.name)
+    pb.write_bytes(proto.SerializeToString())

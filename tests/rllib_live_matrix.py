@@ -3,7 +3,7 @@
 
 Each policy is RLlib's own policy class built in-process from its algorithm's own config (no
 ``ray.init``), given random weights (seeded) so that its outputs are far from RLlib's near-zero
-initial heads. ``python -m tests.rllib_live_matrix`` prints the table the README quotes: per
+initial heads. ``python -m tests.rllib_live_matrix`` prints the tables docs/rllib-algorithms.md quotes: per
 case the largest absolute error of ``model.onnx`` and ``model_deterministic.onnx``, run in ONNX
 Runtime fed exactly the inputs each lists, over 64 observations (discrete actions: identical or
 ``differs``). ray 2.8+ keeps only deprecation stubs of TD3, DDPG and A3C: those rows need

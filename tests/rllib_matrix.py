@@ -7,7 +7,7 @@ in the fixture's ``expected.npz``: the observations, and for a recurrent policy 
 ``seq_lens``) and compared with RLlib's outputs: discrete actions identical, floats within 1e-5.
 ``model.onnx`` is also run straight in ONNX Runtime with exactly the inputs it lists.
 
-``python -m tests.rllib_matrix`` prints the table the README quotes (``--json`` the raw rows).
+``python -m tests.rllib_matrix`` prints the table docs/rllib-algorithms.md quotes (``--json`` the raw rows).
 """
 
 from __future__ import annotations

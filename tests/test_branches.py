@@ -531,7 +531,8 @@ def test_exit_3_on_an_internal_error(debug, tmp_path, monkeypatch, capsys):
         assert captured.err == message + "\n"
 
 
-def test_the_sample_budget_is_checked_once_per_command_and_again_when_the_counts_change(monkeypatch):
+def test_check_policy_checks_the_sample_budget_of_the_counts_given(monkeypatch):
+    """(Once per command: tests/test_options.py, through the CLI and the API.)"""
     from policy_export.exporter import options
     from policy_export.policy.spec import load_spec
 
@@ -541,7 +542,6 @@ def test_the_sample_budget_is_checked_once_per_command_and_again_when_the_counts
     space = load_spec(FIXTURES_DIR / "cartpole_mlp").observation_space
     opts = options.ExportOptions(samples=10, explore_samples=0)
     opts.check_policy(space)
-    options.replace(opts, device="cpu").check_policy(space)  # as export_spec and the export pass it on
     assert calls == [10]
     options.replace(opts, samples=20).check_policy(space)
     assert calls == [10, 20]

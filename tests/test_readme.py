@@ -14,3 +14,33 @@ def test_ci_runs_the_readme_test_command():
     main_job, tests = blocks[0], blocks[1]
     assert "policy-export export fixtures/cartpole_mlp" in main_job and "policy-export verify" in main_job
     assert tests in (ROOT / ".ci" / "run").read_text()
+
+
+def _slugs(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation dropped, spaces as '-')."""
+    slugs, seen, fenced = set(), {}, False
+    for line in markdown.splitlines():
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"#{1,6} (.+)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading[1].strip().lower()).replace(" ", "-")
+            slugs.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return slugs
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """README.md and docs/*.md: each relative link names a file that exists, and a heading of it."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = page.parent / path if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target}: no such heading")
+    assert not broken, "\n".join(broken)

@@ -1,5 +1,5 @@
 """``from_rllib`` on a live policy of every RLlib TF algorithm the installed ray still carries
-(:mod:`tests.rllib_live_matrix`; ``python -m tests.rllib_live_matrix`` prints the README's table).
+(:mod:`tests.rllib_live_matrix`; ``python -m tests.rllib_live_matrix`` prints the table docs/rllib-algorithms.md quotes).
 
 ``model.onnx``, fed only the inputs ONNX Runtime lists as required, must reproduce RLlib's
 ``policy.compute_actions(obs, explore=False)``: discrete actions identical, floats within 1e-5.

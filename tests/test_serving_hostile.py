@@ -123,7 +123,7 @@ def test_inspect_config_not_a_regular_file_is_refused(served, tmp_path, kind):
         cfg.symlink_to("/dev/zero")  # reading it would never end
     else:
         cfg.mkdir()
-    _inspect_refused(cli("inspect", str(d)), "is not an export directory, a .onnx file or a SavedModel directory")
+    _inspect_refused(cli("inspect", str(d)), "is not an export directory, a .onnx file, a SavedModel directory")
 
 
 def test_inspect_config_over_limit_is_refused_unread(served, tmp_path):
@@ -206,7 +206,7 @@ def test_inspect_version_saved_model_pb_not_regular(served, tmp_path, outside, k
         fragment = "Too many levels of symbolic links"
     else:
         os.mkfifo(pb)
-        fragment = "is not an export directory, a .onnx file or a SavedModel directory"
+        fragment = "is not an export directory, a .onnx file, a SavedModel directory"
     before = snapshot(outside)
     _inspect_refused(cli("inspect", str(base)), fragment)
     assert snapshot(outside) == before
@@ -216,7 +216,7 @@ def test_inspect_version_saved_model_pb_not_regular(served, tmp_path, outside, k
 def test_inspect_non_ascii_digit_version_is_not_a_version(served, tmp_path, command):
     base = _base_path(served, tmp_path, ["\u00b2"])
     args = [str(base)] if command == "inspect" else [str(base), str(served)]
-    _inspect_refused(cli(command, *args), "is not an export directory, a .onnx file or a SavedModel directory")
+    _inspect_refused(cli(command, *args), "is not an export directory, a .onnx file, a SavedModel directory")
 
 
 @pytest.mark.parametrize("name", ["999999999999999999999", "\u0663"])

@@ -134,3 +134,26 @@ def test_spec_round_trip():
     spec = spec_from_json(dict(BASE, seed=7))
     again = spec_from_json(json.loads(json.dumps(spec.to_json())))
     assert again == spec
+
+
+def test_non_default_inputs_names_the_optional_inputs_fed_something_else():
+    """Which served model takes a feed: every optional input at its default, the batched one."""
+    from policy_export.signatures.contract import Contract
+
+    contract = Contract.from_json({"inputs": [
+        {"key": "observations", "dtype": "float32", "shape": [None, 4], "required": True},
+        {"key": "seq_lens", "dtype": "int32", "shape": [None], "required": False, "default": [1]},
+        {"key": "explore", "dtype": "bool", "shape": [], "required": False, "default": False},
+        {"key": "timestep", "dtype": "int64", "shape": [], "required": False, "default": 0},
+    ], "outputs": [{"key": "actions_0", "dtype": "int64", "shape": [None]}]})
+    obs = np.zeros((3, 4), np.float32)
+    assert contract.non_default_inputs({"observations": obs}) == []  # optional inputs left out
+    assert contract.non_default_inputs({"observations": obs, "explore": np.array(False)}) == []
+    assert contract.non_default_inputs({"observations": obs, "explore": np.array([False, False, False]),
+                                        "timestep": np.zeros(3, np.int64)}) == []  # arrays of the defaults
+    assert contract.non_default_inputs({"observations": obs, "explore": np.array(True)}) == ["explore"]
+    assert contract.non_default_inputs({"explore": np.array([False, True]), "timestep": np.int64(7)}) \
+        == ["explore", "timestep"]
+    assert contract.non_default_inputs({"seq_lens": np.array([5, 2], np.int32)}) == []  # not a switch
+    assert contract.non_default_inputs({"timestep": np.zeros((2, 2), np.int64) + 1}) == ["timestep"]
+    assert contract.input("explore").is_default(False) and not contract.input("observations").is_default(obs)

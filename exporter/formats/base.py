@@ -101,6 +101,42 @@ class Format:
         if not ok:
             raise InputError(f"candidate {self.name}={path}: no such {kind}")
 
+    # ``inspect`` and ``diff`` on this format's own files (outside an export): ``inspect_order``
+    # None means they do not read it alone; a ``serving_layout`` is also found one directory down
+    # (a repository or ``tf_serving/`` holding one model); ``inspect_needs_tensorflow``: reading
+    # its contract imports TensorFlow
+    inspect_order: int | None = None
+    serving_layout: bool = False
+    inspect_needs_tensorflow: bool = False
+
+    def find_model(self, path: Path) -> Path | None:
+        """Where ``path`` holds a model of this format for ``inspect``/``diff`` (``path`` itself or
+        a directory in it), or ``None`` when it is not this format's.
+
+        Raises:
+            ExportError: ``path`` is this format's but cannot be read as it (a layout without a version...).
+        """
+        return None
+
+    def read_contract(self, found: Path, signature_key: str = "serving_default", tag: str = "serve") -> "Contract":
+        """The interface the model :meth:`find_model` found serves, read from its files (nothing runs).
+
+        Raises:
+            ExportError: the files are not a valid model of the format, or fail its checks.
+        """
+        raise NotImplementedError(f"the {self.name} format cannot be inspected on its own")
+
+    def reference_passes(self, policy: Any) -> int:
+        """How many extra passes over the golden inputs :meth:`reference_outputs` makes on the
+        session (for progress): 0 when the format checks the signature's outputs only."""
+        return 0
+
+    def reference_outputs(self, policy: Any, batched: Any) -> dict[str, Any]:
+        """Golden values this format is checked on besides the signature's outputs, computed by the
+        policy's session: ``batched(fn)`` runs ``fn(feeds) -> {key: array}`` over the golden inputs
+        in batches (counting the rows) and concatenates its outputs."""
+        return {}
+
     def check(self, label: str, path: Path, manifest: Mapping[str, Any], device: Any, replay: Any,
               report: Any) -> None:
         """Replay the parity plan on this format: open, run golden/exploration/stepped, close.

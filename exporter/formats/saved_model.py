@@ -26,6 +26,15 @@ class SavedModelFormat(Format):
 
         return TFGraphRunner.from_saved_model(path, device, contract=Contract.from_json(manifest["contract"]))
 
+    inspect_order = 40
+    inspect_needs_tensorflow = True
+
+    def find_model(self, path: Path) -> Path | None:
+        return path if path.is_dir() and (path / "saved_model.pb").is_file() else None
+
+    def read_contract(self, found: Path, signature_key: str = "serving_default", tag: str = TAG):
+        return saved_model_contract(found, signature_key, tag)
+
     def check_candidate(self, path: Path) -> None:
         if not (path / "saved_model.pb").is_file():
             raise InputError(f"candidate {self.name}={path}: not a SavedModel directory (no saved_model.pb)")
@@ -57,3 +66,62 @@ def write_saved_model(ctx: ExportContext, target: Path) -> FormatRecord:
     except (tf.errors.OpError, OSError, ValueError) as e:
         raise ExportError(f"writing the SavedModel to {target} failed: {e}") from e
     return FormatRecord("saved_model", (target.name,), {"tags": [TAG], "signature": SERVING_KEY})
+
+
+def saved_model_meta_graph(path: Path, tag: str, signature_key: str = "serving_default"):
+    """The meta graph of the SavedModel at ``path`` tagged ``tag``, pruned to what
+    ``signature_key``, the restore op and the init op need, and checked
+    (:func:`exporter.trust.check_meta_graph`); ``saved_model.pb`` is read once, with
+    :func:`exporter.trust.read_saved_model`.
+
+    Raises:
+        ExportError: unreadable, no meta graph tagged ``tag``, or no such signature.
+        UnsafeModelError: the pruned graph holds an op that may not be loaded.
+    """
+    from policy_export.exporter.trust import (
+        check_meta_graph, prune_to_serving, read_saved_model, saved_model_budget, select_meta_graph,
+    )
+
+    proto = read_saved_model(path)
+    meta = prune_to_serving(select_meta_graph(proto, tag, str(path)), signature_key, str(path))
+    check_meta_graph(meta, str(path), budget=saved_model_budget(path))
+    return meta
+
+
+def saved_model_contract(path: Path, signature_key: str = "serving_default", tag: str = "serve") -> Contract:
+    """A SavedModel signature's contract, read from the proto (no variables are loaded).
+
+    Inputs fed through ``PlaceholderWithDefault`` are optional, with their constant default.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from policy_export.signatures.builder import find_signature
+    from policy_export.signatures.contract import Contract, TensorSpec, json_default
+
+    meta = saved_model_meta_graph(path, tag, signature_key)
+
+    sig = find_signature(meta, signature_key, str(path))
+    nodes = {n.name: n for n in meta.graph_def.node}
+
+    def spec(key: str, info, is_input: bool) -> TensorSpec:
+        try:
+            tf_dtype = tf.dtypes.as_dtype(info.dtype)
+            if tf_dtype in (tf.resource, tf.variant):
+                raise TypeError(f"{tf_dtype.name} is a handle, not a tensor of values")
+            dtype = np.dtype(tf_dtype.as_numpy_dtype).name
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{path}: signature {signature_key!r} {key!r} has dtype {info.dtype}: {e}") from e
+        shape = () if info.tensor_shape.unknown_rank else tuple(
+            None if d.size < 0 else int(d.size) for d in info.tensor_shape.dim)
+        node = nodes.get(info.name.split(":")[0])
+        if is_input and node is not None and node.op == "PlaceholderWithDefault":
+            const = nodes.get(node.input[0].split(":")[0])
+            if const is not None and const.op == "Const":
+                value = tf.make_ndarray(const.attr["value"].tensor)
+                return TensorSpec(key, dtype, shape, required=False, default=json_default(value))
+        return TensorSpec(key, dtype, shape)
+
+    return Contract(inputs=tuple(spec(k, v, True) for k, v in sorted(sig.inputs.items())),
+                    outputs=tuple(spec(k, v, False) for k, v in sorted(sig.outputs.items())),
+                    method=sig.method_name, signature_key=signature_key)

@@ -18,9 +18,9 @@ import tensorflow as tf
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.formats.runner import HeadUnavailable, Runner, TensorMeta
 from policy_export.exporter.trust import (  # noqa: F401 (glob_free_path: re-exported)
-    check_graph_def, glob_free_path, load_saved_model, read_graph_def,
+    check_graph_def, glob_free_path, open_saved_model, read_graph_def,
 )
-from policy_export.exporter.watchdog import RunTimeoutError, current_limit, run_stoppable
+from policy_export.exporter.watchdog import RunTimeoutError, current_limit, run_stoppable, stoppable_session
 from policy_export.errors import ExportError
 from policy_export.policy.graph import session_config
 from policy_export.signatures.builder import SERVING_KEY, find_signature
@@ -91,18 +91,19 @@ class TFGraphRunner(Runner):
     def from_saved_model(cls, path: Path, device: DevicePlan, signature_key: str = SERVING_KEY,
                          tags=(SERVING_TAG,), contract: Contract | None = None) -> "TFGraphRunner":
         """Load the signature's part of the SavedModel from one read of its file, after its ops are
-        checked (:func:`exporter.trust.load_saved_model`).
+        checked (:func:`exporter.trust.open_saved_model`: the restore and init ops keep the run
+        limit and stop on signals, as every later run does).
 
         Raises:
             UnsafeModelError: the SavedModel holds an op that may not be loaded (nothing is run).
+            RunTimeoutError: the restore or init op did not finish within the run limit.
             ExportError: not a loadable SavedModel, or no such signature.
         """
-        graph = tf.Graph()
-        session = tf1.Session(graph=graph, config=session_config(device.tf_device))
+        # the whole meta graph, as TF's loader would
+        loaded = open_saved_model(path, tag=list(tags)[0], device=device.tf_device)
+        graph, session = loaded.graph, loaded.session
         try:
-            with graph.as_default(), tf.device(device.tf_device):  # read once, checked, then imported
-                meta = load_saved_model(path, session, list(tags)[0])  # the whole meta graph, as TF's loader would
-            sig = find_signature(meta, signature_key, str(path))
+            sig = find_signature(loaded.meta, signature_key, str(path))
         except ExportError:
             session.close()
             raise
@@ -138,7 +139,7 @@ class TFGraphRunner(Runner):
         # grappler rewrites the GraphDef pass after pass, each copy holding every folded weight:
         # for a frozen graph that costs many times the weights in memory and computes nothing new
         config.graph_options.rewrite_options.disable_meta_optimizer = True
-        session = tf1.Session(graph=graph, config=config)
+        session = stoppable_session(graph, config, f"frozen graph {path}")
         pruned = frozenset(tensor_names["inputs"]) - set(inputs)
         runner = cls(graph, session, inputs, outputs, f"frozen graph {path}", accepted=pruned, contract=contract)
         runner._constants = {graph.get_tensor_by_name(f"{name}:0"): value for name, value in constants.items()}
@@ -157,7 +158,9 @@ class TFGraphRunner(Runner):
         limit = self.run_timeout or current_limit()
         options = tf1.RunOptions(timeout_in_ms=max(1, int(limit * 1000)))
         try:
-            values = self.stoppable(lambda: self.session.run(self.output_tensors, feed_dict, options=options),
+            # the file's session watches its own runs; here this runner's limit and watch hold instead
+            run = getattr(self.session, "unwatched_run", self.session.run)
+            values = self.stoppable(lambda: run(self.output_tensors, feed_dict, options=options),
                                     self.session.close)
         except tf.errors.DeadlineExceededError as e:
             raise RunTimeoutError(self.label, limit) from e
@@ -182,7 +185,8 @@ def tf_head(session, inputs: Mapping[str, tf.Tensor], outputs: Mapping[str, tf.T
         options = tf1.RunOptions(timeout_in_ms=max(1, int(limit * 1000)))
         feed_dict = {dist: feeds[ACTION_DIST_INPUTS], explore: feeds[EXPLORE]}
         try:
-            values = run_stoppable(lambda: session.run(fetch, feed_dict, options=options), "TF action head")
+            run_ = getattr(session, "unwatched_run", session.run)  # watched here, not twice
+            values = run_stoppable(lambda: run_(fetch, feed_dict, options=options), "TF action head")
         except tf.errors.DeadlineExceededError as e:
             raise RunTimeoutError("TF action head", limit) from e
         except tf.errors.InvalidArgumentError as e:  # a placeholder the head needs was not fed

@@ -5,6 +5,7 @@ policy's failure never stops the others, and a rerun skips what is current (:mod
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -13,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policy_export.errors import InputError
 from policy_export.exporter.many import report
 from policy_export.exporter.many.jobs import Job, expand, is_current, verify_jobs
 from policy_export.exporter.many.work import skipped
+from policy_export.exporter.options import check_count
 
 __all__ = ["ManyResult", "export_many", "verify_many"]
 
@@ -93,6 +96,19 @@ class Progress:
                 f"{time.perf_counter() - self.start:.0f} s, ETA {self.eta()}")
 
 
+def _check_run(jobs: int | None, memory_mb: float | None) -> None:
+    """How many policies run at once and the memory each may take, checked before anything runs.
+
+    Raises:
+        InputError: ``jobs`` is not a whole number of at least 1, or ``memory_mb`` not a size above 0.
+    """
+    if jobs is not None:
+        check_count("jobs", jobs, 1)
+    if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, (int, float))
+                                  or not (math.isfinite(memory_mb) and memory_mb > 0)):
+        raise InputError(f"memory_mb (--memory-mb) must be a number of MiB above 0, got {memory_mb!r}")
+
+
 def _executor(jobs: int | None, ray: str | None, memory_mb: float | None, preload: bool, log_dir: Path):
     if ray:
         from policy_export.exporter.compat import require
@@ -144,6 +160,7 @@ def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | 
     Raises:
         InputError: a bad source, league file or option (before anything runs).
     """
+    _check_run(jobs, memory_mb)
     preload, status = options.pop("preload", True), options.pop("status", None)
     root = Path(root).absolute()
     all_jobs = expand(sources, root, options)
@@ -158,7 +175,9 @@ def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = 
                 preload: bool = True, progress: Callable[[str], None] | None = None,
                 status: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
     """Verify every export under ``root`` (``root/<name>/manifest.json``), each in a process of its
-    own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...)."""
+    own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...); the rest as
+    for :func:`export_many`."""
+    _check_run(jobs, memory_mb)
     root = Path(root).absolute()
     all_jobs = verify_jobs(root, options)
     return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,

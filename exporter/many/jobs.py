@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_export.errors import InputError
+from policy_export.exporter.options import MODEL_NAME, serving_name
 
 STATE_DIR = ".policy-export-many"  # inside ROOT: one record per policy exported
 LEAGUE_LIMIT = 1 << 20  # bytes of a league file
@@ -36,7 +37,6 @@ HASH_LIMIT = 64 << 30  # bytes of one source's files hashed for the digest
 EXPORT_OPTIONS = {"formats": list, "samples": int, "explore_samples": int, "seed": int, "opset": int,
                   "batch_size": int, "stepped_steps": int, "model_name": str, "model_version": int,
                   "inputs_as_nchw": bool, "use_filter": bool, "actions": str}
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,6 @@ def read_league(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _safe_name(text: str) -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", text.strip())[:128].lstrip("_.-")
-    return cleaned or "policy"
-
-
 def _checkpoint_jobs(entry: Mapping[str, Any], path: Path) -> list[tuple[str, str | None]]:
     """``(name, policy_id)`` for each policy of a checkpoint entry (read safely: nothing is run)."""
     from policy_export.exporter.sources.checkpoint import read_checkpoint
@@ -132,10 +127,10 @@ def _checkpoint_jobs(entry: Mapping[str, Any], path: Path) -> list[tuple[str, st
         ids = [entry["policy_id"]]
     # RLlib's own directory names say nothing of the run: name it after the directory holding them
     stem = path.parent.name if re.fullmatch(r"checkpoint(_\d+)?", path.name) else path.name
-    base = entry.get("name") or _safe_name(stem)
+    base = entry.get("name") or serving_name(stem)
     if len(ids) == 1:
         return [(base, ids[0])]
-    return [(f"{base}-{_safe_name(pid)}", pid) for pid in ids]
+    return [(f"{base}-{serving_name(pid)}", pid) for pid in ids]
 
 
 def expand(sources: Sequence[str | Path], root: Path, options: Mapping[str, Any]) -> list[Job]:
@@ -159,9 +154,9 @@ def expand(sources: Sequence[str | Path], root: Path, options: Mapping[str, Any]
             path = path.parent
         merged = {**options, **entry["options"]}
         named = _checkpoint_jobs(entry, path) if kind == "checkpoint" else [
-            (entry.get("name") or _safe_name(path.name), None)]
+            (entry.get("name") or serving_name(path.name), None)]
         for name, pid in named:
-            if not NAME.fullmatch(name):
+            if not MODEL_NAME.fullmatch(name):  # the name of a directory, as of a served model
                 raise InputError(f"policy name {name!r}: use letters, digits, '_', '.' or '-' (it names ROOT/<name>)")
             jobs.append(Job(name, kind, str(path), str(root / name), str(root), pid, merged))
     _check_unique(jobs)

@@ -115,14 +115,15 @@ class RayPool:
     A process already connected to Ray (``ray.init`` called before) is used as it is, and left
     connected; otherwise the pool connects, and disconnects when :meth:`run` ends.
 
+    ``memory_mb`` is taken as :func:`~exporter.many.export_many` checked it.
+
     Raises:
-        InputError: no Ray cluster runs at ``address``, or a bad ``cpus``/``memory_mb``/``retries``.
+        InputError: no Ray cluster runs at ``address``, or a bad ``cpus``/``retries``.
     """
 
     def __init__(self, address: str, memory_mb: float | None = None, cpus: float = 1, retries: int = 3):
-        if cpus <= 0 or (memory_mb is not None and memory_mb <= 0) or retries < 0:
-            raise InputError(f"Ray tasks need cpus > 0, memory_mb > 0 and retries >= 0 (got {cpus}, {memory_mb}, "
-                             f"{retries})")
+        if cpus <= 0 or retries < 0:
+            raise InputError(f"Ray tasks need cpus > 0 and retries >= 0 (got {cpus}, {retries})")
         self.address, self.cpus, self.memory_mb, self.retries = address or "auto", cpus, memory_mb, retries
         self.owned = connect(self.address)
         try:

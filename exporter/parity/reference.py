@@ -1,7 +1,7 @@
 """The reference side of an export's parity plan: what the policy's own TF session computes.
 
 :func:`session_plan` runs the session once on everything the plan holds (the golden inputs, the
-Keras base model's own inputs and outputs, the exploration draws and the stepped sequences) and
+golden values formats add, such as the Keras base model's own inputs and outputs, the exploration draws and the stepped sequences) and
 returns the plan that every format is then replayed against (:mod:`exporter.parity.replay`).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from policy_export.exporter.defaults import DEFAULT_OBSERVATIONS, DEFAULT_SEQUENCES
-from policy_export.exporter.formats.keras import MODEL_IO_PREFIX
+from policy_export.exporter import formats
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, compare_arrays, run_batched, sample_inputs
 from policy_export.exporter.parity.exploration import logp_of_given_actions, rounding_allowance, within_allowance
 from policy_export.exporter.parity.plan import ExplorationPlan, ParityPlan, SteppedPlan
@@ -31,7 +31,7 @@ def session_plan(policy, contract: Contract, opts, progress: Progress) -> tuple[
     exploration setup that also scores each format's own samples (``None`` without exploration)."""
     explores = opts.explore_samples > 0 and EXPLORE in contract.input_keys
     steps = policy.is_recurrent and policy.sequence_graph is not None and opts.stepped_steps > 0
-    rows = (opts.samples * (2 if policy.model_io is not None else 1)
+    rows = (opts.samples * (1 + sum(fmt.reference_passes(policy) for fmt in formats.all_formats()))
             + (_explore_rows(opts.samples, opts.explore_samples) if explores else 0)
             + (opts.stepped_steps * DEFAULT_SEQUENCES if steps else 0))
     with progress.stage("parity session", rows) as task:
@@ -58,23 +58,15 @@ def _explore_rows(samples: int, explore_samples: int) -> int:
 
 def reference_outputs(policy, feeds: Mapping[str, np.ndarray], batch_size: int, run=None) -> dict[str, np.ndarray]:
     """The session's outputs for ``feeds`` (``run``: the session's runner, e.g. one that counts rows),
-    with the Keras base model's own inputs and outputs under :data:`exporter.formats.keras.MODEL_IO_PREFIX` where it has one."""
-    from policy_export.exporter.formats.keras.model import output_keys
-
+    with the golden values each format adds (:meth:`exporter.formats.base.Format.reference_outputs`:
+    the Keras base model's own inputs and outputs)."""
     out = run_batched(run or policy.run, feeds, batch_size)
-    if policy.model_io is not None:
-        model_in, model_out = policy.model_io
-        names = [t.name.split(":")[0] for t in policy.model.inputs]
-        out_keys = output_keys(len(model_out))
 
-        def run_io(batch):
-            values = policy.session.run(list(model_in) + list(model_out),
-                                        {policy.inputs[k]: v for k, v in batch.items()})
-            ins = {f"{MODEL_IO_PREFIX}{n}": v for n, v in zip(names, values[: len(model_in)])}
-            outs = {f"{MODEL_IO_PREFIX}{k}": v for k, v in zip(out_keys, values[len(model_in):])}
-            return {**ins, **outs}
+    def batched(fn):
+        return run_batched(Counted(fn, run.task) if isinstance(run, Counted) else fn, feeds, batch_size)
 
-        out.update(run_batched(Counted(run_io, run.task) if isinstance(run, Counted) else run_io, feeds, batch_size))
+    for fmt in formats.all_formats():
+        out.update(fmt.reference_outputs(policy, batched))
     return out
 
 

@@ -162,17 +162,15 @@ def plan_models(contract: Contract, engine_inputs: set[str], engine_outputs: lis
 
 def choose(models: list[ServedModel], feeds: Mapping[str, Any], contract: Contract) -> ServedModel:
     """The model a client sends ``feeds`` to: the batched one unless an optional input is fed a
-    value other than its default.
+    value other than its default (:meth:`Contract.non_default_inputs`).
 
     Raises:
         InputError: such a value where the server has no sampling model.
     """
-    for spec in contract.inputs:
-        if spec.required or spec.key not in feeds or spec.key == SEQ_LENS:
-            continue
-        if not np.array_equal(np.asarray(feeds[spec.key]), np.asarray(spec.default, dtype=spec.dtype)):
-            sampling = next((m for m in models if not m.batched), None)
-            if sampling is None:
-                raise InputError(f"input {spec.key!r} can only be its default here (the server has no sampling model)")
-            return sampling
-    return models[0]
+    switched = contract.non_default_inputs(feeds)
+    if not switched:
+        return models[0]
+    sampling = next((m for m in models if not m.batched), None)
+    if sampling is None:
+        raise InputError(f"input {switched[0]!r} can only be its default here (the server has no sampling model)")
+    return sampling

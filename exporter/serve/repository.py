@@ -240,14 +240,12 @@ class RepositoryClient(Runner):
         self._sequences: list[int] = []
 
     def _choose(self, feeds: Mapping[str, np.ndarray]) -> str:
-        for spec in self.contract.inputs:
-            if spec.required or spec.key not in feeds or spec.key == SEQ_LENS:
-                continue
-            if not np.array_equal(np.asarray(feeds[spec.key]), np.asarray(spec.default, dtype=spec.dtype)):
-                if self.sampling is None:
-                    raise InputError(f"{self.label}: input {spec.key!r} can only be its default here")
-                return self.sampling
-        return self.batched
+        """The sampling model's name when an optional input is fed a value other than its default
+        (:meth:`Contract.non_default_inputs`), else the batched model's."""
+        switched = self.contract.non_default_inputs(feeds)
+        if switched and self.sampling is None:
+            raise InputError(f"{self.label}: input {switched[0]!r} can only be its default here")
+        return self.sampling if switched else self.batched
 
     def _infer(self, name: str, arrays: Mapping[str, np.ndarray], **sequence) -> dict[str, np.ndarray]:
         record = self.records[name]

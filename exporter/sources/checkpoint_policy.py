@@ -46,13 +46,14 @@ from policy_export.exporter.sources.rllib_layout import Layout, named_weights
 from policy_export.exporter.sources.rllib_nets import (
     NetWeights, conv_filters, ddpg_actor, fcnet, lstm_step, q_values, visionnet,
 )
-from policy_export.policy.distributions import ActionDistribution, SquashedGaussian
+from policy_export.policy.distributions import ActionDistribution, Deterministic, OneLeaf, SquashedGaussian
+from policy_export.policy.head import ActionHead, action_head
 from policy_export.policy.recurrent import SequenceGraph
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves, space_to_json
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.keys import (
-    ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD,
-    SEQ_LENS, TIMESTEP, action_key, state_in_key, state_out_key,
+    ACTION_DIST_INPUTS, EXPLORE, IS_TRAINING, OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, TIMESTEP,
+    state_in_key, state_out_key,
 )
 
 tf1 = tf.compat.v1
@@ -94,25 +95,6 @@ class _Net:
     seq_lens: tf.Tensor | None = None
     prev_action: tf.Tensor | None = None
     prev_reward: tf.Tensor | None = None
-
-
-class _OneLeaf:
-    """A single-leaf distribution (SAC's squashed Gaussian) with :class:`ActionDistribution`'s lists."""
-
-    def __init__(self, part):
-        self.part = part
-
-    def deterministic_sample(self):
-        return [self.part.deterministic_sample()]
-
-    def sample(self):
-        return [self.part.sample()]
-
-    def logp(self, actions):
-        return self.part.logp(actions[0])
-
-    def postprocess(self, actions, clip: bool = True):
-        return [self.part.postprocess(actions[0], clip)]
 
 
 def model_config(policy: CheckpointPolicy) -> dict[str, Any]:
@@ -322,24 +304,13 @@ def _deterministic_actor(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, 
     return _Net(out, {})
 
 
-class _Greedy:
-    """DDPG's ``Deterministic`` distribution: its inputs are the action."""
-
-    def __init__(self, inputs: tf.Tensor):
-        self.inputs = inputs
-
-    def deterministic_sample(self):
-        return [self.inputs]
-
-    def postprocess(self, actions, clip: bool = True):
-        return list(actions)
-
-
 def _distribution(kind: str, policy: CheckpointPolicy, dist_inputs: tf.Tensor):
+    """RLlib's action distribution for the policy: DDPG's and TD3's ``Deterministic`` (the inputs
+    are the action), SAC's ``SquashedGaussian``, else the space's own."""
     if kind == "deterministic_actor":
-        return _Greedy(dist_inputs)
+        return OneLeaf(Deterministic(dist_inputs, policy.action_space))
     if _squashed(kind, policy):
-        return _OneLeaf(SquashedGaussian(dist_inputs, policy.action_space))
+        return OneLeaf(SquashedGaussian(dist_inputs, policy.action_space))
     return ActionDistribution(dist_inputs, policy.action_space)
 
 
@@ -369,10 +340,15 @@ def environment_actions(actions: list[tf.Tensor], space: gym.Space, config: Mapp
     return out
 
 
-def _served_actions(dist, raw: list[tf.Tensor], policy: CheckpointPolicy, actions: str) -> list[tf.Tensor]:
-    """The distribution's samples ``raw`` as served: the policy's own, or the environment's."""
-    done = dist.postprocess(raw, clip=False)
-    return environment_actions(done, policy.action_space, policy.config) if actions == "environment" else done
+def _head(kind: str, policy: CheckpointPolicy, dist_inputs: tf.Tensor, explore: tf.Tensor | None, actions: str,
+          **options) -> ActionHead:
+    """The action head with RLlib's meanings (unclipped actions; ``action_logp`` the sample's, 0
+    for the deterministic action), serving the policy's own actions or the environment's."""
+    def environment(done: list[tf.Tensor]) -> list[tf.Tensor]:
+        return environment_actions(done, policy.action_space, policy.config)
+
+    return action_head(_distribution(kind, policy, dist_inputs), dist_inputs, explore, clip=False, logp="sampled",
+                       transform=environment if actions == "environment" else None, **options)
 
 
 def _sequence_graph(policy: CheckpointPolicy, w: NetWeights, actions: str, explore: tf.Tensor,
@@ -401,46 +377,22 @@ def _sequence_graph(policy: CheckpointPolicy, w: NetWeights, actions: str, explo
         zeros = (tf.zeros((batch, n)), tf.zeros((batch,)))
         h, c, logits, values = tf.scan(step, (seq, mask), initializer=(net.state_in[0], net.state_in[1], *zeros))
         rows = tf.reshape(tf.transpose(logits, (1, 0, 2)), (-1, n))
-        dist = _distribution("actor_critic", policy, rows)
-        raw = tf.cond(explore, dist.sample, dist.deterministic_sample)
-        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-        logp = tf.cond(explore, lambda: dist.logp(raw), lambda: tf.zeros_like(rows[:, 0]))
-        outputs = {action_key(i): a for i, a in enumerate(_served_actions(dist, raw, policy, actions))}
-        outputs.update({state_out_key(0): h[-1], state_out_key(1): c[-1], ACTION_DIST_INPUTS: rows,
-                        ACTION_LOGP: logp, ACTION_PROB: tf.exp(logp),
-                        "vf_preds": tf.reshape(tf.transpose(values), [-1])})
+        head = _head("actor_critic", policy, rows, explore, actions, deterministic=False)
+        outputs = {**head.outputs([h[-1], c[-1]]), "vf_preds": tf.reshape(tf.transpose(values), [-1])}
     inputs = {**(obs if isinstance(obs, dict) else {OBSERVATIONS: obs}), state_in_key(0): net.state_in[0],
               state_in_key(1): net.state_in[1], SEQ_LENS: net.seq_lens, EXPLORE: explore}
     inputs.update({k: t for k, t in ((PREV_ACTION, net.prev_action), (PREV_REWARD, net.prev_reward)) if t is not None})
     return SequenceGraph(inputs, outputs, int(model["max_seq_len"]))
 
 
-def _heads(kind: str, policy: CheckpointPolicy, net: _Net, actions: str):
-    """``(outputs, deterministic outputs, raw actions, explore placeholder or None)``."""
+def _heads(kind: str, policy: CheckpointPolicy, net: _Net, actions: str) -> ActionHead:
+    """The served head on the rebuilt network; the families of :data:`SERVES_GREEDY` get no
+    explore input and serve the deterministic path."""
     dist_inputs = tf.identity(net.dist_inputs, name=ACTION_DIST_INPUTS)
-    dist = _distribution(kind, policy, dist_inputs)
-
-    def final(raw):
-        return _served_actions(dist, raw, policy, actions)
-
     extras = {k: tf.identity(t, name=f"extra/{k}") for k, t in net.extras.items()}
     states = {state_out_key(i): tf.identity(t, name=state_out_key(i)) for i, t in enumerate(net.state_out)}
-    with tf1.name_scope("deterministic"):
-        det_raw = dist.deterministic_sample()
-        zeros = tf.zeros_like(dist_inputs[:, 0])
-        deterministic = {action_key(i): tf.identity(a) for i, a in enumerate(final(det_raw))}
-        deterministic.update({**extras, **states, ACTION_DIST_INPUTS: tf.identity(dist_inputs),
-                              ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.ones_like(zeros)})
-    if kind in SERVES_GREEDY:  # the greedy action is all it serves: the same tensors
-        return dict(deterministic), deterministic, det_raw, None
-    explore = tf1.placeholder_with_default(False, (), name=EXPLORE)
-    raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
-    raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-    sampled_logp = dist.logp(raw)
-    logp = tf.cond(explore, lambda: sampled_logp, lambda: tf.zeros_like(sampled_logp), name=ACTION_LOGP)
-    outputs = {action_key(i): tf.identity(a, name=action_key(i)) for i, a in enumerate(final(raw))}
-    outputs[ACTION_LOGP] = logp
-    return outputs, deterministic, raw, explore
+    explore = None if kind in SERVES_GREEDY else tf1.placeholder_with_default(False, (), name=EXPLORE)
+    return _head(kind, policy, dist_inputs, explore, actions, extra={**extras, **states})
 
 
 def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True, actions: str = "environment",
@@ -484,14 +436,14 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
                 net = _deterministic_actor(policy, x, weights, model)
             else:
                 net = _soft_actor(policy, x, weights)
-        outputs, deterministic, raw, explore = _heads(kind, policy, net, actions)
+        head = _heads(kind, policy, net, actions)
+        explore, deterministic = head.explore, head.deterministic
         is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
         timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
         sequences = _sequence_graph(policy, weights, actions, explore, use_filter) if net.state_in else None
         if sequences is not None:
             sequences.inputs[TIMESTEP] = timestep
     session = tf1.Session(graph=graph, config=session_config(device))
-    action_keys = [k for k in outputs if k.startswith("actions_")]
     # the parity check of sampled log-probabilities feeds a format's actions back as the raw
     # sample: only possible while the served actions are the distribution's own, and not for a
     # tanh-squashed sample (atanh near the bounds turns float32 rounding into large logp errors)
@@ -499,11 +451,11 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
                                                     for leaf in leaves(policy.action_space))) \
         or _squashed(kind, policy)
     tf_policy = TFPolicy(
-        space, policy.action_space, session, observations=obs, sampled_action=[outputs[k] for k in action_keys],
-        action_logp=outputs[ACTION_LOGP], action_dist_inputs=deterministic[ACTION_DIST_INPUTS],
+        space, policy.action_space, session, observations=obs, sampled_action=head.actions,
+        action_logp=head.action_logp, action_dist_inputs=deterministic[ACTION_DIST_INPUTS],
         explore=explore, is_training=is_training, timestep=timestep, extra_fetches=_extras(deterministic, net),
-        raw_actions=None if transformed else raw, state_inputs=net.state_in, state_outputs=[deterministic[state_out_key(i)]
-                                                                    for i in range(len(net.state_out))],
+        raw_actions=None if transformed else head.raw_actions, state_inputs=net.state_in,
+        state_outputs=[deterministic[state_out_key(i)] for i in range(len(net.state_out))],
         seq_lens=net.seq_lens, prev_action=net.prev_action, prev_reward=net.prev_reward,
         deterministic_outputs=deterministic, sequence_graph=sequences, name=policy.policy_id,
     )

@@ -39,7 +39,7 @@ import numpy as np
 
 from policy_export.errors import ExportError
 from policy_export.signatures.builder import find_signature
-from policy_export.signatures.keys import ACTION_DIST_INPUTS, OBSERVATIONS, action_key
+from policy_export.signatures.keys import ACTION_DIST_INPUTS, OBSERVATIONS
 
 log = logging.getLogger(__name__)
 ACTION_KEY = re.compile(r"actions(_\d+)?")
@@ -139,6 +139,7 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
 
     from policy_export.exporter.devices import plan_devices
     from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
+    from policy_export.exporter.sources.legacy import clean_key
     from policy_export.exporter.sources.rllib import observation_space_for
     from policy_export.policy.spaces import check_supported
 
@@ -155,7 +156,7 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
     policy = _build_policy(path, graph_def, sig, in_info, dist_key, (obs_space, flatten), action_space,
                            plan.tf_device)
     mapping = {OBSERVATIONS: in_key, ACTION_DIST_INPUTS: dist_key}
-    mapping.update({_clean(k): k for k in sig.outputs if k != dist_key})
+    mapping.update({clean_key(k): k for k in sig.outputs if k != dist_key})
     mapping = {new: old for new, old in mapping.items() if new != old}
     log.info("converted Keras base model %s: distribution inputs %r, extra outputs %s", path, dist_key,
              [k for k in sig.outputs if k != dist_key])
@@ -170,27 +171,17 @@ def _frozen_base_model(path: Path, signature_key: str, tag: str, device: str | N
     are restored by the saver's own restore op from ``path/variables/variables``, then the init
     op runs: what ``tf1.saved_model.loader.load`` does, on the pruned graph.
     """
-    import tensorflow as tf
+    from policy_export.exporter.tfgraph import freeze_session
+    from policy_export.exporter.trust import open_saved_model
 
-    from policy_export.policy.tf_policy import session_config
-
-    tf1 = tf.compat.v1
     if proto is None and not (path / "saved_model.pb").is_file():
         raise ExportError(f"{path} is not a SavedModel directory (no saved_model.pb); note that RLlib's "
                           f"export_model writes an empty folder for LSTM policies")
-    from policy_export.exporter.trust import load_saved_model, read_saved_model
-
-    proto = read_saved_model(path) if proto is None else proto
-    graph = tf.Graph()
-    with tf1.Session(graph=graph, config=session_config(device)) as session:
-        meta = load_saved_model(path, session, tag, signature_key, proto=proto)  # checked before it runs
-        sig = find_signature(meta, signature_key, str(path))
+    loaded = open_saved_model(path, tag=tag, signature_key=signature_key, device=device, proto=proto)
+    with loaded.session as session:
+        sig = find_signature(loaded.meta, signature_key, str(path))
         names = sorted({v.name.split(":")[0] for v in sig.outputs.values()})
-        try:
-            with graph.as_default():
-                frozen = tf1.graph_util.convert_variables_to_constants(session, graph.as_graph_def(), names)
-        except (tf.errors.OpError, ValueError, AssertionError) as e:
-            raise ExportError(f"folding the variables of {path} into constants failed: {e}") from e
+        frozen = freeze_session(session, names, what=f"the variables of {path}")
     inputs = [v.name.split(":")[0] for v in sig.inputs.values()]
     return _inline_functions(frozen, inputs + names), sig
 
@@ -243,20 +234,17 @@ def _shape_of(info) -> list | None:
     return [None if d.size < 0 else int(d.size) for d in info.tensor_shape.dim]
 
 
-def _clean(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_/.-]", "_", key.split(":")[0])
-
-
 def _build_policy(path: Path, graph_def, sig, in_info, dist_key: str, observation: tuple[gym.Space, bool],
                   action_space: gym.Space, device: str | None):
     """The policy around the frozen base model: ``observation`` is the space the export takes and
     whether it is flattened into the model's one input; the action head is the package's own."""
     import tensorflow as tf
 
-    from policy_export.policy.distributions import ActionDistribution
+    from policy_export.exporter.sources.legacy import clean_key
     from policy_export.exporter.sources.rllib import observation_inputs
+    from policy_export.policy.head import action_head
     from policy_export.policy.tf_policy import (
-        ACTION_DIST_INPUTS, ACTION_LOGP, EXPLORE, IS_TRAINING, TIMESTEP, TFPolicy,
+        ACTION_DIST_INPUTS, EXPLORE, IS_TRAINING, TIMESTEP, TFPolicy,
         session_config,
     )
 
@@ -280,34 +268,15 @@ def _build_policy(path: Path, graph_def, sig, in_info, dist_key: str, observatio
         # RLlib's vision nets end in a 1x1 conv: [batch, 1, 1, n], squeezed by the model's forward()
         width = outputs[dist_key].shape[-1]
         dist_inputs = tf.reshape(outputs[dist_key], (-1, width), name=ACTION_DIST_INPUTS)
-        dist = ActionDistribution(dist_inputs, action_space)
-        raw = tf.cond(explore, dist.sample, dist.deterministic_sample, name="select_action")
-        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-        # RLlib's StochasticSampling: the log-probability of a sample, 0 for the deterministic action
-        sampled_logp = dist.logp(raw)
-        logp = tf.cond(explore, lambda: sampled_logp, lambda: tf.zeros_like(sampled_logp), name=ACTION_LOGP)
-        actions = [tf.identity(a, name=action_key(i)) for i, a in enumerate(dist.postprocess(raw, clip=False))]
-        extras = {_clean(k): tf.identity(t, name=f"extra/{_clean(k)}") for k, t in outputs.items() if k != dist_key}
-        deterministic = _rllib_deterministic_path(dist, dist_inputs, extras)
+        extras = {clean_key(k): tf.identity(t, name=f"extra/{clean_key(k)}") for k, t in outputs.items()
+                  if k != dist_key}
+        # RLlib's meanings: unclipped actions; the log-probability of a sample, 0 for the
+        # deterministic action
+        head = action_head(action_space, dist_inputs, explore, clip=False, logp="sampled", extra=extras)
     session = tf1.Session(graph=graph, config=session_config(device))
     return TFPolicy(
-        obs_space, action_space, session, observations=obs, sampled_action=actions, action_logp=logp,
-        action_dist_inputs=dist_inputs, explore=explore, is_training=is_training, timestep=timestep,
-        extra_fetches=extras, raw_actions=raw, deterministic_outputs=deterministic, name=path.name,
+        obs_space, action_space, session, observations=obs, sampled_action=head.actions,
+        action_logp=head.action_logp, action_dist_inputs=dist_inputs, explore=explore, is_training=is_training,
+        timestep=timestep, extra_fetches=extras, raw_actions=head.raw_actions,
+        deterministic_outputs=head.deterministic, name=path.name,
     )
-
-
-def _rllib_deterministic_path(dist, dist_inputs, extras: dict) -> dict:
-    """The deterministic path with RLlib's meanings: unclipped actions, logp 0, prob 1."""
-    import tensorflow as tf
-
-    from policy_export.policy.tf_policy import ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB
-
-    with tf.compat.v1.name_scope("deterministic"):
-        det = dist.deterministic_sample()
-        out = {action_key(i): tf.identity(a) for i, a in enumerate(dist.postprocess(det, clip=False))}
-        out.update(extras)
-        zeros = tf.zeros_like(dist_inputs[:, 0])
-        out.update({ACTION_DIST_INPUTS: tf.identity(dist_inputs), ACTION_LOGP: tf.identity(zeros),
-                    ACTION_PROB: tf.ones_like(zeros)})
-    return out

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.sources.lstm_step import RecurrentServing, rewrite_serving
-from policy_export.exporter.watchdog import stoppable_session
+from policy_export.exporter.trust import VARIABLE_COLLECTIONS
 from policy_export.errors import ExportError, InputError, WeightsError
 from policy_export.policy.bundleio import checkpoint_prefix
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
@@ -53,7 +53,6 @@ tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 from policy_export.signatures.keys import KNOWN_INPUTS, KNOWN_OUTPUTS  # noqa: E402,F401 (re-exported)
 EXPLORE_SWITCH = "is_exploring"
-VARIABLE_COLLECTIONS = ("variables", "trainable_variables", "local_variables", "model_variables")
 VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
 
 
@@ -63,7 +62,9 @@ def natural_key(text: str) -> list:
 
 
 def clean_key(key: str) -> str:
-    """A signature key without a tensor suffix or characters ONNX tools dislike."""
+    """A source's output or tensor name as a signature key: the tensor suffix dropped
+    (``fc_out:0`` -> ``fc_out``), every character but letters, digits and ``_/.-`` (which ONNX
+    tools dislike) replaced by ``_``. Every source names extra outputs and inputs with it."""
     return re.sub(r"[^A-Za-z0-9_/.-]", "_", key.split(":")[0])
 
 
@@ -122,43 +123,21 @@ def prune_meta_graph(meta: tf1.MetaGraphDef, signature_key: str = "serving_defau
     Raises:
         ExportError: the signature is missing, or several hidden exploration switches feed it.
     """
-    from policy_export.exporter.trust import prune_library
+    from policy_export.exporter.trust import prune_to_serving
 
     sig = find_signature(meta, signature_key)
-    graph_def = meta.graph_def
-    roots = {_node(t.name) for t in list(sig.inputs.values()) + list(sig.outputs.values())}
-    kept = tf1.graph_util.extract_sub_graph(graph_def, sorted(roots))
-    switches = find_explore_switches(kept, sig)
+    out = prune_to_serving(meta, signature_key, restore="initializers")
+    switches = find_explore_switches(out.graph_def, sig)
     if len(switches) > 1:
         raise ExportError(f"the signature's outputs depend on several exploration switches {switches}; "
                           "convert maps one to the 'explore' input")
-    kept_names = {n.name for n in kept.node}
-    var_defs = _variable_defs(meta)
-    for var in var_defs.values():
-        if _node(var.variable_name) in kept_names:
-            roots.update(_node(n) for n in (var.initializer_name, var.snapshot_name) if n)
-    kept = tf1.graph_util.extract_sub_graph(graph_def, sorted(roots))
-    prune_library(kept)  # extract_sub_graph copies the whole library
-    kept_names = {n.name for n in kept.node}
-    unknown = sorted(n.name for n in kept.node if n.op in VARIABLE_OPS and n.name not in
-                     {_node(v.variable_name) for v in var_defs.values()})
+    listed = {_node(v.variable_name) for v in _variable_defs(meta).values()}
+    unknown = sorted(n.name for n in out.graph_def.node if n.op in VARIABLE_OPS and n.name not in listed)
     if unknown:
         raise ExportError(f"variables {unknown} are used by the signature but listed in no variable collection; "
                           "their values cannot be restored")
-
-    out = tf1.MetaGraphDef()
-    out.meta_info_def.CopyFrom(meta.meta_info_def)
-    out.graph_def.CopyFrom(kept)
-    out.signature_def[signature_key].CopyFrom(sig)
-    dropped = []
-    for name, coll in meta.collection_def.items():
-        if name not in VARIABLE_COLLECTIONS:
-            dropped.append(name)
-            continue
-        keep = [b for b in coll.bytes_list.value if _node(_parse_variable_def(b).variable_name) in kept_names]
-        if keep:
-            out.collection_def[name].bytes_list.value.extend(keep)
-    pruned = PrunedGraph(out, len(graph_def.node), len(kept.node), dropped_collections=sorted(dropped))
+    dropped = [name for name in meta.collection_def if name not in VARIABLE_COLLECTIONS]
+    pruned = PrunedGraph(out, len(meta.graph_def.node), len(out.graph_def.node), dropped_collections=sorted(dropped))
     if switches:
         pruned.explore_switch = switches[0]
         pruned.explore_original_default = _set_bool_default(out.graph_def, switches[0], False)
@@ -291,20 +270,21 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
         UnsafeModelError: an op the model must not run (see :mod:`exporter.trust`).
         InputError: a given space that does not fit the signature's tensors.
     """
-    from policy_export.exporter.trust import check_meta_graph, saved_model_budget
+    from policy_export.exporter.trust import open_saved_model
 
     path = Path(path)
     files = files or SavedModelFiles()
     pruned = prune_meta_graph(read_meta_graph(path, tag, files.proto), signature_key)
-    check_meta_graph(pruned.meta_graph, str(path), budget=saved_model_budget(path))  # before any op can run
     plan = plan_devices(device)
-    graph = tf.Graph()
-    # the graph is the file's: every run of it keeps the run limit and stops on signals
-    session = stoppable_session(graph, session_config(plan.tf_device), f"SavedModel {path}")
+    prefix = None if files.weights is None else checkpoint_prefix(files.weights)
+    # checked, then imported into a session whose every run keeps the run limit and stops on
+    # signals; the variables get values read by policy.bundleio, not TensorFlow's restore op
+    loaded = open_saved_model(path, tag=tag, meta=pruned.meta_graph, config=session_config(plan.tf_device),
+                              restore=lambda session: _restore_variables(session, session.graph, path, prefix))
+    session = loaded.session
     try:
-        prefix = None if files.weights is None else checkpoint_prefix(files.weights)
-        inputs, outputs, restored = _import_signature(path, pruned, signature_key, session, prefix)
-        policy, mapping = _build_policy(path, graph, session, inputs, outputs, state_pairs,
+        inputs, outputs = _signature_tensors(session.graph, pruned, signature_key)
+        policy, mapping = _build_policy(path, session.graph, session, inputs, outputs, state_pairs,
                                         observation_space, action_space)
     except (ExportError, InputError, WeightsError):
         session.close()
@@ -312,22 +292,15 @@ def load_saved_model_policy(path: str | Path, signature_key: str = "serving_defa
     except (OSError, RuntimeError, ValueError, KeyError, tf.errors.OpError) as e:
         session.close()
         raise ExportError(f"cannot load SavedModel {path} with tag {tag!r}: {e}") from e
+    restored = loaded.restored
     source = _source_record(pruned, policy, mapping, observation_space is not None, action_space is not None)
     source["variables"] = restored
     return policy, source
 
 
-def _import_signature(path: Path, pruned: "PrunedGraph", signature_key: str, session, weights: Path | None = None):
-    """Import the pruned meta graph into ``session``'s graph, restore its variables (from
-    ``weights`` when given), and return the signature's input and output tensors (the hidden
-    exploration switch as ``explore``) and the variables' record."""
-    from tensorflow.python.framework import meta_graph as meta_graph_lib
-
-    graph = session.graph
-    with graph.as_default():
-        # what tf1.train.import_meta_graph does, without adding a Saver nobody runs
-        meta_graph_lib.import_scoped_meta_graph(pruned.meta_graph, clear_devices=True)
-    restored = _restore_variables(session, graph, path, weights)
+def _signature_tensors(graph: tf.Graph, pruned: "PrunedGraph", signature_key: str):
+    """The signature's input and output tensors in the imported graph (the hidden exploration
+    switch as ``explore``)."""
     sig = find_signature(pruned.meta_graph, signature_key)
     inputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.inputs.items()}
     outputs = {k: graph.get_tensor_by_name(v.name) for k, v in sig.outputs.items()}
@@ -335,7 +308,7 @@ def _import_signature(path: Path, pruned: "PrunedGraph", signature_key: str, ses
         if EXPLORE in inputs:
             raise ExportError(f"the signature has an 'explore' input and a hidden switch {pruned.explore_switch!r}")
         inputs[EXPLORE] = graph.get_tensor_by_name(f"{pruned.explore_switch}:0")
-    return inputs, outputs, restored
+    return inputs, outputs
 
 
 def _source_record(pruned: "PrunedGraph", policy, mapping: dict[str, str], obs_given: bool,

@@ -29,7 +29,6 @@ RLlib's ``StochasticSampling`` reports them.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,8 +37,9 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.errors import ExportError, InputError, PolicyExportError
-from policy_export.exporter.sources.legacy import deterministic_copy, refused_reason
-from policy_export.exporter.tfgraph import converter_rewrites, exploration_state
+from policy_export.exporter.sources.legacy import clean_key, deterministic_copy, refused_reason
+from policy_export.exporter.tfgraph import converter_rewrites, exploration_state, freeze_session
+from policy_export.policy.head import deterministic_outputs
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves
 from policy_export.policy.tf_policy import (
     ACTION_DIST_INPUTS, ACTION_LOGP, ACTION_PROB, EXPLORE, IS_TRAINING, OBSERVATIONS, TIMESTEP, TFPolicy,
@@ -247,7 +247,7 @@ def _tensors(policy: Any) -> dict[str, Any]:
         "prev_reward": getattr(policy, "_prev_reward_input", None),
         "is_exploring": getattr(policy, "_is_exploring", None),
         "timestep": getattr(policy, "_timestep", None), "is_training": is_training,
-        "extra": {_clean(k): v for k, v in extra.items() if isinstance(v, tf.Tensor)},
+        "extra": {clean_key(k): v for k, v in extra.items() if isinstance(v, tf.Tensor)},
     }
 
 
@@ -260,7 +260,7 @@ def _fixed_inputs(policy: Any, t: Mapping[str, Any]) -> tuple[dict[str, Any], di
     for tensor, value in feed.items():
         if not isinstance(tensor, tf.Tensor) or tensor.name in known:
             continue
-        key = _clean(tensor.name)
+        key = clean_key(tensor.name)
         fixed[key], defaults[key] = tensor, np.asarray(value, tensor.dtype.as_numpy_dtype)
     return fixed, defaults
 
@@ -274,12 +274,7 @@ def _freeze(session: Any, tensors: list) -> Any:
     """The policy graph with variables folded into constants, pruned to what ``tensors`` need, with
     what converters do not know rewritten (:func:`~exporter.tfgraph.converter_rewrites`: RLlib's
     epsilon schedule loop, TF Probability's ``BroadcastArgs``)."""
-    nodes = sorted({x.op.name for x in tensors})
-    try:
-        with session.graph.as_default():
-            frozen = tf1.graph_util.convert_variables_to_constants(session, session.graph.as_graph_def(), nodes)
-    except (tf.errors.OpError, ValueError, AssertionError) as e:
-        raise PolicyExportError(f"freezing the RLlib policy graph failed: {e}") from e
+    frozen = freeze_session(session, [x.op.name for x in tensors], what="the RLlib policy graph")
     return converter_rewrites(_seed_random_ops(_drop_assignments(frozen)))
 
 
@@ -343,39 +338,37 @@ def _deterministic_outputs(policy: Any, act_space: gym.Space, w: Mapping[str, An
     if w["state_in"] or w["dist_inputs"] is None or len(w["actions"]) != 1 or \
             not names & set(DETERMINISTIC_DISTRIBUTIONS):
         return None
-    with tf1.name_scope("deterministic"):
-        dist = _package_distribution(w["dist_inputs"], act_space, names, getattr(given, "keywords", None) or {})
-        if dist is None:
-            return None
-        det = dist.deterministic_sample()
-        action = w["actions"][0]
-        if det.dtype != action.dtype or det.shape.as_list() != action.shape.as_list():
-            log.info("no deterministic path: %s %s differs from RLlib's action %s %s",
-                     det.dtype.name, det.shape, action.dtype.name, action.shape)
-            return None
-        zeros = tf.zeros(tf.shape(w["dist_inputs"])[:1], tf.float32)
-        out = {action_key(0): tf.identity(det), ACTION_DIST_INPUTS: tf.identity(w["dist_inputs"]),
-               ACTION_LOGP: tf.identity(zeros), ACTION_PROB: tf.exp(zeros)}
-        out.update({k: tf.identity(v) for k, v in extra.items()})
+    dist = _package_distribution(w["dist_inputs"], act_space, names, getattr(given, "keywords", None) or {})
+    if dist is None:
+        return None
+    # RLlib's meanings: the deterministic sample as its graph returns it (not post-processed),
+    # logp 0, prob 1
+    out = deterministic_outputs(dist, w["dist_inputs"], {k: tf.identity(v) for k, v in extra.items()},
+                                logp="sampled", postprocess=False)
+    det, action = out[action_key(0)], w["actions"][0]
+    if det.dtype != action.dtype or det.shape.as_list() != action.shape.as_list():
+        log.info("no deterministic path: %s %s differs from RLlib's action %s %s",
+                 det.dtype.name, det.shape, action.dtype.name, action.shape)
+        return None
     return out
 
 
 def _package_distribution(inputs, act_space: gym.Space, names: set[str], keywords: Mapping[str, Any]):
     """The package's distribution for RLlib's (one action leaf), or ``None``."""
-    from policy_export.policy.distributions import ActionDistribution, Deterministic, SquashedGaussian
+    from policy_export.policy.distributions import ActionDistribution, Deterministic, OneLeaf, SquashedGaussian
 
     if names & {"SquashedGaussian", "Deterministic"}:
         if not isinstance(act_space, gym.spaces.Box):
             return None
         if "Deterministic" in names:
-            return Deterministic(inputs, act_space)
-        return SquashedGaussian(inputs, act_space, keywords.get("low", -1.0), keywords.get("high", 1.0))
+            return OneLeaf(Deterministic(inputs, act_space))
+        return OneLeaf(SquashedGaussian(inputs, act_space, keywords.get("low", -1.0), keywords.get("high", 1.0)))
     try:
         dist = ActionDistribution(inputs, act_space)
     except (PolicyExportError, ValueError) as e:
         log.info("no deterministic path: %s", e)
         return None
-    return dist.parts[0] if len(dist.parts) == 1 else None
+    return dist if len(dist.parts) == 1 else None
 
 
 def _graph_action_space(policy: Any) -> gym.Space:
@@ -395,10 +388,6 @@ def _as_plain(space: gym.Space) -> gym.Space:
 
 def _static_shape(value: np.ndarray) -> tuple:
     return tuple(value.shape)
-
-
-def _clean(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_/.-]", "_", key.split(":")[0])
 
 
 # ---------------------------------------------------------------------------- RLlib's preprocessor

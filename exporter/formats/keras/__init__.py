@@ -24,6 +24,29 @@ class KerasFormat(Format):
             return "the policy has no Keras base model"
         return None
 
+    def reference_passes(self, policy) -> int:
+        return 0 if policy.model_io is None else 1
+
+    def reference_outputs(self, policy, batched):
+        """The base model's own inputs and outputs as the session computes them on the golden
+        inputs, under :data:`MODEL_IO_PREFIX`."""
+        if policy.model_io is None:
+            return {}
+        from policy_export.exporter.formats.keras.model import output_keys
+
+        model_in, model_out = policy.model_io
+        names = [t.name.split(":")[0] for t in policy.model.inputs]
+        out_keys = output_keys(len(model_out))
+
+        def run_io(batch):
+            values = policy.session.run(list(model_in) + list(model_out),
+                                        {policy.inputs[k]: v for k, v in batch.items()})
+            ins = {f"{MODEL_IO_PREFIX}{n}": v for n, v in zip(names, values[: len(model_in)])}
+            outs = {f"{MODEL_IO_PREFIX}{k}": v for k, v in zip(out_keys, values[len(model_in):])}
+            return {**ins, **outs}
+
+        return batched(run_io)
+
     def write(self, ctx, target: Path):
         from policy_export.exporter.formats.keras import model as keras_model
 
@@ -42,7 +65,7 @@ class KerasFormat(Format):
             return
         info = (manifest.get("formats") or {}).get(self.name) or {}
         for name, file in keras_model.FORMATS.items():  # one model in memory at a time
-            with keras_model.KerasRunner(path / file, info.get("outputs")) as runner:
+            with keras_model.KerasRunner(path / file, info.get("outputs"), device) as runner:
                 replay.check_outputs(name, runner, ins, reference, report)
 
 

@@ -3,7 +3,8 @@
 The model is rebuilt from its config in eager mode and given the session's weights, so the
 files hold exactly the weights the policy runs with. Loading for checks never deserialises code:
 configs are checked to hold built-in layers only, ``.keras`` loads in safe mode, and the
-SavedModel is called through its serving signature with ``tf.saved_model.load``.
+SavedModel is loaded like every SavedModel here (:func:`exporter.trust.open_saved_model`) and
+run through its serving signature.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import tensorflow as tf
 
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.runner import Runner, TensorMeta
-from policy_export.exporter.formats.tf_runner import glob_free_path
-from policy_export.exporter.trust import check_saved_model
 from policy_export.policy import jsonio
-from policy_export.errors import ExportError
+from policy_export.errors import ExportError, RunTimeoutError
 
 SAVED_MODEL = "saved_model"
 KERAS_FILE = "base_model.keras"
@@ -150,29 +149,30 @@ class KerasRunner(Runner):
     ``output_names`` (the model's, recorded at export) orders a SavedModel signature's outputs.
     """
 
-    def __init__(self, path: Path, output_names: list[str] | None = None):
+    def __init__(self, path: Path, output_names: list[str] | None = None, device=None):
         import tf_keras as keras
 
         self.path = path
         self.label = f"Keras model {path}"
         self.output_names = output_names
-        self._model = self._fn = self._keep = None
+        self._model = self._graph = None
         try:
             if path.is_dir():
-                check_saved_model(path)
-                with glob_free_path(path) as alias:
-                    loaded = tf.saved_model.load(str(alias))
-                self._fn = loaded.signatures["serving_default"]
-                self._keep = loaded
-                specs = self._fn.structured_input_signature[1]
-                self.inputs = {k: TensorMeta(k, spec.dtype.name, tuple(spec.shape.as_list())) for k, spec in specs.items()}
+                # the package's one SavedModel loader: checked, pruned to the signature, and its
+                # restore and init ops run under the run limit (device: a DevicePlan; default CPU)
+                from policy_export.exporter.devices import plan_devices
+                from policy_export.exporter.formats.tf_runner import TFGraphRunner
+
+                self._graph = TFGraphRunner.from_saved_model(path, device or plan_devices("cpu"), "serving_default")
+                self._graph.label = self.label
+                self.inputs = dict(self._graph.inputs)
             else:
                 check_config_safe(_read_config(path), str(path))
                 kwargs = {"safe_mode": True} if path.suffix == ".keras" else {}
                 self._model = keras.models.load_model(str(path), compile=False, **kwargs)
                 self.inputs = {t.name.split(":")[0]: TensorMeta(t.name.split(":")[0], t.dtype.name,
                                                                 tuple(t.shape.as_list())) for t in self._model.inputs}
-        except ExportError:
+        except (ExportError, RunTimeoutError):
             raise
         except Exception as e:  # loaders raise many kinds
             raise ExportError(f"cannot load Keras model {path}: {type(e).__name__}: {e}") from e
@@ -186,11 +186,8 @@ class KerasRunner(Runner):
             out = self.stoppable(lambda: model(args[0] if len(args) == 1 else args, training=False))
             outs = list(out) if isinstance(out, (list, tuple)) else [out]
         else:
-            from tensorflow.python.eager import cancellation
-
-            manager = cancellation.CancellationManager()  # cancels the signature's function, loops included
-            fn = manager.get_cancelable_function(self._fn)
-            result = self.stoppable(lambda: fn(**{k: tf.constant(v) for k, v in feeds.items()}), manager.start_cancel)
+            self._graph.run_timeout = self.run_timeout
+            result = self._graph(feeds)  # that runner keeps the run limit and stops on signals
             names = self.output_names or sorted(result)
             outs = [result[n] for n in names]
         return {k: np.asarray(v) for k, v in zip(output_keys(len(outs)), outs)}
@@ -200,6 +197,8 @@ class KerasRunner(Runner):
 
         import tf_keras as keras
 
-        self._model = self._fn = self._keep = None
+        if self._graph is not None:
+            self._graph.close()
+        self._model = self._graph = None
         keras.backend.clear_session()  # Keras keeps models alive in its global state otherwise
         gc.collect()

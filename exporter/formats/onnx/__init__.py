@@ -18,6 +18,16 @@ class OnnxFormat(Format):
 
         return onnx_model.write(ctx, target)
 
+    inspect_order = 30
+
+    def find_model(self, path: Path) -> Path | None:
+        return path if path.is_file() and path.suffix == ".onnx" else None
+
+    def read_contract(self, found: Path, signature_key: str = "serving_default", tag: str = "serve"):
+        from policy_export.exporter.formats.onnx.model import onnx_contract
+
+        return onnx_contract(found)
+
     def open(self, path: Path, manifest, device):
         from policy_export.exporter.formats.onnx.model import OnnxRunner
         from policy_export.signatures.contract import Contract

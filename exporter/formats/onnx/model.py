@@ -724,3 +724,43 @@ class OnnxDefaultsRunner(OnnxRunner):
         from policy_export.exporter.formats.runner import with_defaults
 
         return super()._run(with_defaults(self.label, self.inputs, feeds, self.defaults))
+
+
+def onnx_contract(path: Path) -> Contract:
+    """The contract in an ONNX model's metadata, else one read from its graph.
+
+    The model is checked with ``onnx.checker`` first; a file that is not ONNX is an error.
+    """
+    from policy_export.signatures.contract import TensorSpec, json_default
+
+    try:
+        onnx.checker.check_model(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError, ValidationError, OSError...
+        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    try:
+        stored = contract_from_model(model)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise ExportError(f"{path}: the contract in its metadata is not valid: {type(e).__name__}: {e}") from e
+    if stored is not None:
+        return stored
+    initializers = {i.name: i for i in model.graph.initializer}
+
+    def spec(value_info, is_input: bool) -> TensorSpec:
+        if value_info.type.WhichOneof("value") != "tensor_type":
+            raise ExportError(f"{path}: {value_info.name!r} is a {value_info.type.WhichOneof('value')} value, "
+                              "not a tensor; only tensor inputs and outputs are supported")
+        t = value_info.type.tensor_type
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{path}: {value_info.name!r} has element type {t.elem_type}, "
+                              "which has no numpy dtype") from e
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+        if is_input and value_info.name in initializers:
+            default = json_default(numpy_helper.to_array(initializers[value_info.name]))
+            return TensorSpec(value_info.name, dtype, shape, required=False, default=default)
+        return TensorSpec(value_info.name, dtype, shape)
+
+    return Contract(inputs=tuple(spec(i, True) for i in model.graph.input),
+                    outputs=tuple(spec(o, False) for o in model.graph.output))

@@ -41,6 +41,20 @@ class TFServingFormat(Format):
         return TFGraphRunner.from_saved_model(layout.version_dir, device,
                                               contract=Contract.from_json(manifest["contract"]))
 
+    inspect_order = 20
+    serving_layout = True
+    inspect_needs_tensorflow = True
+
+    def find_model(self, path: Path) -> Path | None:
+        from policy_export.exporter.formats.tf_serving.layout import newest_version
+
+        return newest_version(path) if path.is_dir() else None
+
+    def read_contract(self, found: Path, signature_key: str = "serving_default", tag: str = "serve"):
+        from policy_export.exporter.formats.saved_model import saved_model_contract
+
+        return saved_model_contract(found, signature_key, tag)
+
     def check_candidate(self, path: Path) -> None:
         from policy_export.exporter.formats.tf_serving.layout import CONFIG_FILE
 

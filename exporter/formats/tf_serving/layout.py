@@ -179,3 +179,19 @@ def add_signature_defaults(saved_model_dir: Path, contract) -> dict[str, dict]:
 def files_under(root: Path, top: Path) -> list[str]:
     """Every regular file below ``top``, relative to ``root``, as POSIX paths (sorted)."""
     return sorted(p.relative_to(root).as_posix() for p in top.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+_VERSION = re.compile(r"[0-9]{1,19}")  # TF Serving's versions: ASCII 64-bit integers
+
+
+def _is_version(p: Path) -> bool:
+    return (_VERSION.fullmatch(p.name) is not None and int(p.name) <= MAX_VERSION
+            and p.is_dir() and not p.is_symlink())
+
+
+def newest_version(base: Path) -> Path | None:
+    """The version directory TF Serving serves from the model base path ``base`` (the highest
+    version holding a SavedModel), or ``None`` when ``base`` has none."""
+    versions = sorted((p for p in base.iterdir() if _is_version(p) and (p / "saved_model.pb").is_file()),
+                      key=lambda p: int(p.name))
+    return versions[-1] if versions else None

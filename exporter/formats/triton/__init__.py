@@ -29,6 +29,17 @@ class TritonFormat(Format):
         info = (manifest.get("formats") or {}).get(self.name) or {}
         return TritonRunner(path, Contract.from_json(manifest["contract"]), info, device)
 
+    inspect_order = 10
+    serving_layout = True
+
+    def find_model(self, path: Path) -> Path | None:
+        return path if path.is_dir() and (path / "config.pbtxt").is_file() else None
+
+    def read_contract(self, found: Path, signature_key: str = "serving_default", tag: str = "serve"):
+        from policy_export.exporter.formats.triton.config import triton_contract
+
+        return triton_contract(found)
+
     def check_candidate(self, path: Path) -> None:
         from policy_export.exporter.formats.base import refuse_links
 

@@ -149,3 +149,52 @@ def tensors(values, batched: bool, optional: Mapping[str, bool] | None = None, l
     """Config entries of ONNX value infos, leaving out ``leave_out`` (names)."""
     optional = optional or {}
     return tuple(value_tensor(v, batched, optional.get(v.name, False)) for v in values if v.name not in leave_out)
+
+
+CONFIG_LIMIT = 1 << 20  # bytes of a config.pbtxt read
+_TRITON_NUMPY = {"TYPE_FP32": "float32", "TYPE_FP64": "float64", "TYPE_FP16": "float16", "TYPE_INT64": "int64",
+                 "TYPE_INT32": "int32", "TYPE_INT16": "int16", "TYPE_INT8": "int8", "TYPE_UINT8": "uint8",
+                 "TYPE_UINT16": "uint16", "TYPE_UINT32": "uint32", "TYPE_UINT64": "uint64", "TYPE_BOOL": "bool"}
+
+
+def triton_contract(model_dir: Path):
+    """The interface a Triton model serves, read from its ``config.pbtxt`` with Triton's own schema:
+    each input and output with the batch dimension (``None``) first when the model batches, the
+    ``reshape`` a client's tensor takes; optional inputs are not required (their default is the
+    model's own). Implicit state and sequence controls are not a client's tensors and are left out.
+
+    Raises:
+        ExportError: tritonclient is not installed, or the file is not a valid ModelConfig.
+    """
+    from policy_export.errors import ExportError
+    from policy_export.policy.files import read_regular
+    from policy_export.signatures.contract import Contract, TensorSpec
+
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise ExportError(f"reading {model_dir / 'config.pbtxt'} needs Triton's schema: pip install "
+                          f"'policy-export[serving]' ({e})") from e
+    try:
+        raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
+    except OSError as e:  # a symbolic link (ELOOP), a file that cannot be opened
+        raise ExportError(f"{model_dir / 'config.pbtxt'} cannot be read as a regular file "
+                          f"(links are not followed): {e.strerror}") from e
+    try:
+        config = text_format.Parse(raw.decode("utf-8"), model_config_pb2.ModelConfig())
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise ExportError(f"{model_dir / 'config.pbtxt'} is not a valid Triton ModelConfig: {e}") from e
+    pb = model_config_pb2
+
+    def spec(io, optional: bool = False) -> TensorSpec:
+        value = pb.DataType.DESCRIPTOR.values_by_number.get(io.data_type)
+        name = value.name if value is not None else str(io.data_type)
+        if name not in _TRITON_NUMPY:
+            raise ExportError(f"{model_dir / 'config.pbtxt'}: {io.name!r} has data type {name}, which has no numpy dtype")
+        dims = list(io.reshape.shape) if io.HasField("reshape") else list(io.dims)
+        shape = ((None,) if config.max_batch_size > 0 else ()) + tuple(None if d < 0 else int(d) for d in dims)
+        return TensorSpec(io.name, _TRITON_NUMPY[name], shape, required=not optional)
+
+    return Contract(inputs=tuple(spec(i, i.optional) for i in config.input),
+                    outputs=tuple(spec(o) for o in config.output), method="triton", signature_key=config.name)

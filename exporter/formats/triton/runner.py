@@ -67,17 +67,15 @@ class TritonRunner(Runner):
             raise InputError(f"{self.label}: no batched model is listed")
         self.inputs = {s.key: TensorMeta(s.key, s.dtype, s.shape) for s in contract.inputs}
         self.outputs = dict(self.batched.outputs)
-        self.optional = {s.key: s for s in contract.inputs if not s.required}
 
     def _choose(self, feeds: Mapping[str, np.ndarray]):
-        """The sampling model when an optional input is fed a value other than its default."""
-        for key, spec in self.optional.items():
-            if key in feeds and not np.array_equal(feeds[key], np.asarray(spec.default, dtype=spec.dtype)):
-                if self.sampling is None:
-                    raise InputError(f"{self.label}: input {key!r} can only be its default here "
-                                     "(the repository has no sampling model)")
-                return self.sampling
-        return self.batched
+        """The sampling model when an optional input is fed a value other than its default
+        (:meth:`Contract.non_default_inputs`), else the batched model."""
+        switched = self.contract.non_default_inputs(feeds)
+        if switched and self.sampling is None:
+            raise InputError(f"{self.label}: input {switched[0]!r} can only be its default here "
+                             "(the repository has no sampling model)")
+        return self.sampling if switched else self.batched
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         runner = self._choose(feeds)
