@@ -1,10 +1,13 @@
 """The exporter: the export, verify and convert pipelines, the formats, parity and the command line.
 
     cli.py, options.py                the command line; every cheap check of the options, once
-    export.py, verify.py, convert.py  the pipelines
-    sources/    what comes in: the TF1 SavedModel (RLlib <= 2.0), the Keras base model
-                (RLlib >= 2.1), a live RLlib policy, the LSTM step rebuild, RLlib checkpoints
-                (the safe reader, the networks rebuilt from their config)
+    pipeline.py the one pipeline from any source to its exports (export SOURCE, convert,
+                export-many, the API); convert.py its Python API per source
+    export.py, verify.py  exporting a loaded policy; verifying an export
+    sources/    what comes in, as plugins found by a registry: a spec directory, an RLlib
+                checkpoint (the safe reader, the networks rebuilt from their config), a SavedModel
+                (a TF1 policy graph, RLlib <= 2.0; a Keras base model, RLlib >= 2.1); a live RLlib
+                policy (from_rllib)
     formats/    one plugin per format: its writer, its runner, its checks
     parity/     the parity plan, its replay, comparison, exploration, stepped and behavioural
                 parity, localisation
@@ -17,7 +20,7 @@ Imports are lazy so that the command line starts without loading TensorFlow.
 from importlib import import_module
 
 _WHERE = {
-    "export_policy": "policy_export.exporter.export", "export_spec": "policy_export.exporter.export",
+    "export_policy": "policy_export.exporter.export", "export_spec": "policy_export.exporter.convert",
     "ExportResult": "policy_export.exporter.export", "verify_export": "policy_export.exporter.verify",
     "VerifyResult": "policy_export.exporter.verify", "ParityFailedError": "policy_export.errors",
     "ExportOptions": "policy_export.exporter.options", "VerifyOptions": "policy_export.exporter.options",
@@ -26,6 +29,7 @@ _WHERE = {
     "plan_devices": "policy_export.exporter.devices", "convert_saved_model": "policy_export.exporter.convert",
     "convert_checkpoint": "policy_export.exporter.convert",
     "convert_checkpoint_policies": "policy_export.exporter.convert",
+    "export_source": "policy_export.exporter.pipeline",
 }
 __all__ = sorted(_WHERE)
 

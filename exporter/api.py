@@ -6,7 +6,8 @@
 """
 
 from policy_export.errors import ParityFailedError  # noqa: F401
-from policy_export.exporter.export import PARITY_DIR, ExportResult, export_policy, export_spec  # noqa: F401
+from policy_export.exporter.convert import export_spec  # noqa: F401
+from policy_export.exporter.export import PARITY_DIR, ExportResult, export_policy  # noqa: F401
 from policy_export.exporter.formats.base import ExportContext, FormatRecord  # noqa: F401
 from policy_export.exporter.options import (  # noqa: F401
     ALL_FORMATS, DEFAULT_OPSET, ExportOptions, VerifyOptions, check_opset, resolve_formats,

@@ -79,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show library logs and tracebacks")
-    _export_parser(sub, common)
+    _export_parser(sub, common, "export", "export a policy (a spec directory, an RLlib checkpoint, a SavedModel) to "
+                   "every format and check parity")
     _verify_parser(sub, common)
     _serve_parser(sub, common)
     _inspect_parser(sub, common)
     _diff_parser(sub, common)
-    _convert_parser(sub, common)
+    _export_parser(sub, common, "convert", "the same as export (kept for RLlib checkpoints and SavedModels): "
+                   "a full export with clean keys")
     _rollout_parser(sub, common)
     _many_parsers(sub, common)
     return parser
@@ -99,6 +101,9 @@ def _many_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-mb", type=float, default=None, metavar="MB",
                    help="memory cap per policy: a local process over it is killed and its policy fails; on Ray, "
                         "the memory each task reserves")
+    p.add_argument("--policy-timeout", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock time each policy's process may take before it is killed and its policy fails "
+                        "(default 1800)")
     p.add_argument("--no-preload", action="store_true",
                    help="start each local process from scratch (it imports TensorFlow itself) instead of forking "
                         "it from a process that imported TensorFlow, ONNX Runtime and tf2onnx once")
@@ -124,17 +129,17 @@ def _many_parsers(sub, common) -> None:
     _many_options(vm)
 
 
-def _serving_options(parser) -> None:
-    parser.add_argument("--model-name", default=None, metavar="NAME",
-                        help="the model's name on a model server (triton, tf_serving formats; default: the "
-                             "policy's name, with other characters than letters, digits, _ . - made _)")
-    parser.add_argument("--model-version", type=int, default=1, metavar="N",
-                        help="the model version directory of the triton and tf_serving layouts (default 1)")
+SOURCE_HELP = ("a spec directory (policy.json, or the file itself), an RLlib checkpoint directory (holding "
+               "rllib_checkpoint.json; read without ray and without running its pickles) or a SavedModel directory")
 
 
-def _export_parser(sub, common) -> None:
-    ex = sub.add_parser("export", parents=[common], help="export a policy spec directory to every format and check parity")
-    ex.add_argument("spec", metavar="SPEC_DIR", help="directory holding policy.json (or the file itself)")
+def _export_parser(sub, common, name: str, help_text: str) -> None:
+    """``export`` and its alias ``convert``: the same options, for every source. The options a
+    source owns are declared by the source (:mod:`exporter.sources`) and listed in a group of its own."""
+    from policy_export.exporter import sources
+
+    ex = sub.add_parser(name, parents=[common], help=help_text)
+    ex.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     _formats_argument(ex)
     ex.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N",
@@ -149,11 +154,32 @@ def _export_parser(sub, common) -> None:
     ex.add_argument("--external-data-threshold", type=int, default=D.DEFAULT_EXTERNAL_DATA_THRESHOLD, metavar="BYTES",
                     help="ONNX models whose weights exceed this many bytes keep them in a .data file beside the "
                          f"model (default {D.DEFAULT_EXTERNAL_DATA_THRESHOLD}; one protobuf stops at 2 GiB)")
-    _serving_options(ex)
     _parity_options(ex, D.DEFAULT_SAMPLES)
     _run_timeout_option(ex)
     _partial_option(ex)
     _quiet_option(ex)
+    _declared_groups(ex, [(f"{s.description} only", s.options) for s in sources.all_sources()])
+    _declared_groups(ex, format_option_groups())
+
+
+def format_option_groups() -> list[tuple[str, tuple]]:
+    """The options the formats own, one group per declaration they share: (title, options)."""
+    from policy_export.exporter import formats
+
+    owners: dict[tuple, list[str]] = {}
+    for fmt in formats.all_formats():
+        if fmt.options:
+            owners.setdefault(tuple(fmt.options), []).append(fmt.name)
+    return [(f"the formats {', '.join(names)} only", options) for options, names in owners.items()]
+
+
+def _declared_groups(parser, groups) -> None:
+    """Each (title, options) as an argument group, every flag made from its declaration."""
+    for title, options in groups:
+        if options:
+            group = parser.add_argument_group(title)
+            for option in options:
+                option.add_to(group)
 
 
 def _verify_parser(sub, common) -> None:
@@ -211,55 +237,6 @@ def _diff_parser(sub, common) -> None:
     di.add_argument("old", metavar="OLD", help="the export (or .onnx / SavedModel) deployed now")
     di.add_argument("new", metavar="NEW", help="the candidate")
     di.add_argument("--json", action="store_true", help="print JSON instead of a summary")
-
-
-def _convert_parser(sub, common) -> None:
-    co = sub.add_parser("convert", parents=[common],
-                        help="turn an RLlib checkpoint or an existing TF SavedModel (e.g. RLlib's export_model) "
-                             "into a full export with clean keys")
-    co.add_argument("saved_model", metavar="SOURCE_DIR",
-                    help="an RLlib Algorithm or Policy checkpoint (holding rllib_checkpoint.json; read without ray "
-                         "and without running its pickles) or a SavedModel directory")
-    co.add_argument("--out", required=True, metavar="OUT")
-    co.add_argument("--policy-id", default=None, metavar="ID",
-                    help="checkpoints: the policy to export (default: the only one)")
-    co.add_argument("--all-policies", action="store_true",
-                    help="checkpoints: one export per policy id, at OUT/<policy id>/")
-    co.add_argument("--no-filter", action="store_true",
-                    help="checkpoints: leave RLlib's observation filter out of the graph (the export then takes "
-                         "filtered observations)")
-    co.add_argument("--actions", choices=("environment", "policy"), default="environment",
-                    help="checkpoints: serve the action the environment takes (unsquashed to the action space's "
-                         "bounds with normalize_actions, clipped with clip_actions; the default) or the policy's own "
-                         "(as policy.compute_actions returns it)")
-    co.add_argument("--signature", default=None, metavar="KEY", help="SavedModels: the signature (default serving_default)")
-    co.add_argument("--tag", default=None, metavar="TAG", help="SavedModels: the meta graph tag (default serve)")
-    _formats_argument(co)
-    co.add_argument("--opset", type=int, default=D.DEFAULT_OPSET, metavar="N")
-    _serving_options(co)
-    co.add_argument("--samples", type=int, default=D.DEFAULT_SAMPLES, metavar="N")
-    co.add_argument("--explore-samples", type=int, default=D.DEFAULT_EXPLORE_SAMPLES, metavar="N",
-                    help="sampled actions per runtime for exploration parity (default 10000; 0 skips)")
-    co.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    _tf32_option(co)
-    co.add_argument("--overwrite", action="store_true")
-    co.add_argument("--state", action="append", default=[], metavar="IN_KEY=OUT_KEY",
-                    help="pair a state input with its output, in order (repeat); default: natural order of names")
-    co.add_argument("--observation-space", default=None, metavar="JSON|FILE",
-                    help="the observation space the graph takes, in policy.json's space format (JSON text or a "
-                         ".json file); parity samples from it (default: inferred from the tensors)")
-    co.add_argument("--action-space", default=None, metavar="JSON|FILE",
-                    help="the action space the graph computes, same format (default: inferred from the tensors)")
-    co.add_argument("--weights", default=None, metavar="TF1_CHECKPOINT",
-                    help="TF1 policy SavedModels: take the variables' values from this tf.compat.v1.train.Saver "
-                         "checkpoint instead (RLlib <= 2.0's export_checkpoint: its directory, prefix or .index), "
-                         "by variable name, every one checked before any is assigned")
-    co.add_argument("--dist-inputs", default=None, metavar="KEY",
-                    help="Keras base models: the output holding the action distribution inputs "
-                         "(default: the one output of the width the action space needs)")
-    _run_timeout_option(co)
-    _partial_option(co)
-    _quiet_option(co)
 
 
 def _rollout_parser(sub, common) -> None:

@@ -109,43 +109,69 @@ def _formats_option(text: str | None) -> list[str] | None:
     return None if text is None else [f.strip() for f in text.split(",") if f.strip()]
 
 
-def cmd_export(args, console) -> int:
+def _export_options(args):
+    """The export's own options (core: not a source's) from the command line, checked (no TensorFlow)."""
     from policy_export.exporter.options import ExportOptions
-    from policy_export.policy.spec import load_spec
 
-    start = time.perf_counter()
-    # every cheap check first (the options check themselves): bad input fails before TensorFlow loads
-    opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
-                         seed=args.seed, tolerances=_tolerances(args), overwrite=args.overwrite,
+    given = args.atol is not None or args.rtol is not None or args.tolerance or args.allow_non_finite
+    return ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
+                         seed=args.seed, tolerances=_tolerances(args) if given else None, overwrite=args.overwrite,
                          explore_samples=args.explore_samples, inputs_as_nchw=args.inputs_as_nchw,
                          external_data_threshold=args.external_data_threshold, progress=args.progress,
-                         run_timeout=args.run_timeout, model_name=args.model_name,
-                         model_version=args.model_version, **_behaviour_option(args))
+                         run_timeout=args.run_timeout, model_name=getattr(args, "model_name", None),
+                         model_version=getattr(args, "model_version", 1), **_behaviour_option(args))
+
+
+def _source_values(args) -> dict:
+    """The sources' options given on the command line (an option not given is absent)."""
+    from policy_export.exporter import sources
+
+    return {o.name: getattr(args, o.name) for s in sources.all_sources() for o in s.options if hasattr(args, o.name)}
+
+
+def cmd_export(args, console) -> int:
+    """``export SOURCE --out OUT`` (and ``convert``, its alias) for every source: read and checked
+    before TensorFlow loads, then each chosen policy exported with parity."""
+    from policy_export.exporter import pipeline
+
+    start = time.perf_counter()
+    opts = _export_options(args)  # every cheap check first: bad input fails before TensorFlow loads
     _check_report_paths(args, args.out)
-    spec = load_spec(args.spec)  # parsed once: the export builds its policy from this spec
-    opts.check_export(spec.observation_space, args.out)
+    opened = pipeline.open_source(args.source, _source_values(args), what=f"{args.command}'s source")
+    plan = pipeline.plan_source(opened, args.out, opts)
     _heavy_imports(args)
 
-    from policy_export.errors import ParityFailedError
-    from policy_export.exporter.export import run_export_spec
     from policy_export.exporter.options import replace
+
+    with _reports_on_failure(args):
+        results = pipeline.run_source(opened, plan, replace(opts, device=_device_plan(args)))
+    args.progress.close()
+    _emit_policy_reports(args, {pid: r.parity for pid, r in results.items()},
+                         {pid: str(r.path) for pid, r in results.items()})
+    status = EXIT_OK
+    for pid, result in results.items():
+        _print_result(console, opened.source, pid, result)
+        status = max(status, _partial_status(console, result, args))
+    console.print(f"{len(results)} export{'s' if len(results) > 1 else ''} in {time.perf_counter() - start:.1f} s")
+    return status
+
+
+cmd_convert = cmd_export  # the alias: the same command, every option export takes
+
+
+def _print_result(console, source, pid, result) -> None:
     from policy_export.exporter.reports import parity_table
 
-    try:
-        result = run_export_spec(spec, args.out, replace(opts, device=_device_plan(args)))
-    except ParityFailedError as e:
-        args.progress.close(failed=True)
-        if e.report is not None:
-            _emit_reports(args, e.report, "export")
-        raise
-    args.progress.close()
-    _emit_reports(args, result.parity, "export", extra={"path": str(result.path)})
-    console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples vs the TF session "
-                                              f"({result.parity.devices.get('tf_device')}, "
-                                              f"{', '.join(result.parity.devices.get('onnxruntime_providers_used', []))})"))
-    console.print(f"exported [bold]{escape(str(result.path))}[/bold]: {', '.join(result.formats)} "
-                  f"({len(result.files)} files) in {time.perf_counter() - start:.1f} s")
-    return _partial_status(console, result, args)
+    devices = result.parity.devices
+    where = f" ({devices.get('tf_device')}, {', '.join(devices.get('onnxruntime_providers_used', []))})" \
+        if devices.get("tf_device") else ""
+    title = (f"{'' if pid is None else f'policy {pid}: '}parity: {result.parity.samples} samples vs "
+             f"{source.reference}{where}")
+    console.print(parity_table(result.parity, title))
+    for line in source.summary(result.manifest.get("source")):
+        console.print(escape(one_line(line)), soft_wrap=True)
+    console.print(f"exported [bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)} "
+                  f"({len(result.files)} files)", soft_wrap=True)
 
 
 def _partial_status(console, result, args) -> int:
@@ -250,10 +276,10 @@ def cmd_inspect(args, console) -> int:
     from rich.text import Text
 
     from policy_export.exporter.inspection import contract_json
-    from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint
 
-    if is_rllib_checkpoint(args.path):  # the one source inspect reads itself (exports and models otherwise)
-        return _inspect_checkpoint(args, console)
+    shown = _inspect_source(args, console)
+    if shown is not None:
+        return shown
     kind, contract = _contract(args.path, args)
     if args.json:
         print(contract_json(kind, Path(args.path), contract))
@@ -270,45 +296,30 @@ def cmd_inspect(args, console) -> int:
     return EXIT_OK
 
 
-def _inspect_checkpoint(args, console) -> int:
-    """``inspect CHECKPOINT_DIR``: each policy, its spaces, filter, and what convert would rebuild."""
+def _inspect_source(args, console) -> int | None:
+    """``inspect`` of a source that shows itself (an RLlib checkpoint: its policies, spaces, filter and
+    network), read before TensorFlow loads; ``None`` when ``args.path`` is no such source."""
     import json
 
     from rich.table import Table
     from rich.text import Text
 
-    from policy_export.errors import ExportError
-    from policy_export.exporter.sources.checkpoint import read_checkpoint
+    from policy_export.exporter import sources
 
-    checkpoint = read_checkpoint(args.path)  # the safe reader, before TensorFlow loads
+    source = next((s for s in sources.all_sources() if s.shows_itself and s.detect(Path(args.path))), None)
+    if source is None:
+        return None
+    opened = source.open(Path(args.path), {})
     _heavy_imports(args)
-    from policy_export.exporter.sources.checkpoint_policy import filter_record, network_kind
-
-    rows = []
-    for policy in checkpoint.policies.values():
-        try:
-            rebuilt = network_kind(policy)
-        except ExportError as e:
-            rebuilt = f"not rebuilt: {e}"
-        rows.append({"policy_id": policy.policy_id, "policy_class": policy.policy_class,
-                     "observation_space": str(policy.original_observation_space or policy.observation_space),
-                     "action_space": str(policy.action_space), "weights": policy.weight_count,
-                     "framework": policy.framework,
-                     "observation_filter": filter_record(policy.filter), "filter_note": policy.filter_note,
-                     "network": rebuilt})
+    shown = source.inspect(opened)
     if args.json:
-        print(json.dumps({"kind": "rllib_checkpoint", "type": checkpoint.type, "format": checkpoint.format,
-                          "ray_version": checkpoint.ray_version, "policies": rows}, indent=2))
+        print(json.dumps(shown.json, indent=2))
         return EXIT_OK
-    table = Table(title=escape(f"{args.path} (RLlib {checkpoint.type} checkpoint, {checkpoint.format}, ray "
-                               f"{checkpoint.ray_version})"), title_justify="left")
-    for column in ("policy id", "class", "observations", "actions", "filter", "network"):
+    table = Table(title=escape(shown.title), title_justify="left")
+    for column in shown.columns:
         table.add_column(column)
-    for r in rows:
-        filt = r["observation_filter"]
-        table.add_row(*(Text(one_line(str(v))) for v in (
-            r["policy_id"], r["policy_class"].rsplit(".", 1)[-1], r["observation_space"], r["action_space"],
-            f"{filt['class']} (n={filt['count']})" if filt else "none", r["network"])))
+    for row in shown.rows:
+        table.add_row(*(Text(one_line(str(v))) for v in row))
     console.print(table)
     return EXIT_OK
 
@@ -334,118 +345,47 @@ def cmd_diff(args, console) -> int:
     return EXIT_OK if result.compatible else EXIT_CHECK_FAILED
 
 
-def _space_option(value: str | None, option: str):
-    """A gymnasium space from JSON text or a .json file (policy.json's space format); ``None`` stays ``None``.
+@contextlib.contextmanager
+def _reports_on_failure(args):
+    """A failed parity check still writes ``--report-json``/``--junit`` (and the step summary), then
+    goes on up as the failure it is."""
+    from policy_export.errors import ParityFailedError
 
-    Raises:
-        InputError: unreadable file. JSONError: invalid or non-strict JSON. SpecError: JSON that is not a valid space.
-    """
-
-    from policy_export.errors import InputError
-
-    if value is None:
-        return None
-    text = value
-    if not value.lstrip().startswith("{"):
-        try:
-            text = Path(value).read_text(encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"{option} {value!r}: neither JSON text nor a readable file ({e.strerror})") from e
-    from policy_export.policy import jsonio
-    from policy_export.policy.spaces import space_from_json
-
-    obj = jsonio.loads(text, option)  # strict: duplicate keys, NaN, huge integers are exit 2
-
-    return space_from_json(obj, "$", option)
+    try:
+        yield
+    except ParityFailedError as e:
+        args.progress.close(failed=True)
+        if e.report is not None:
+            _emit_reports(args, e.report, "convert")
+        raise
 
 
-def cmd_convert(args, console) -> int:
-    from policy_export.errors import InputError
-    from policy_export.exporter.options import ExportOptions
+def _emit_policy_reports(args, reports_by_policy: dict, paths: dict) -> None:
+    """The reports of ``convert`` over one policy (as ``export`` writes them) or several
+    (``--all-policies``: the JSON keyed by policy id, a JUnit test suite per policy)."""
+    if len(reports_by_policy) == 1:
+        (pid, report), = reports_by_policy.items()
+        _emit_reports(args, report, "convert", extra={"path": paths[pid], "policy_id": pid})
+        return
+    from policy_export.exporter import reports
 
-    opts = ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
-                         explore_samples=args.explore_samples, overwrite=args.overwrite, progress=args.progress,
-                         run_timeout=args.run_timeout, model_name=args.model_name,
-                         model_version=args.model_version)
-    from policy_export.exporter.sources.detect import detect
+    try:
+        if args.report_json:
+            reports.write_json(args.report_json, {
+                "passed": all(r.passed for r in reports_by_policy.values()),
+                "policies": {pid: {"path": paths[pid], "passed": r.passed, **r.to_json()}
+                             for pid, r in reports_by_policy.items()}})
+        if args.junit:
+            Path(args.junit).write_text(reports.junit_many({f"convert.{pid}": r for pid, r in reports_by_policy.items()}),
+                                        encoding="utf-8")
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a", encoding="utf-8") as f:
+                f.writelines(reports.markdown_summary(r, f"convert {pid}") for pid, r in reports_by_policy.items())
+    except OSError as e:
+        from policy_export.errors import ExportError
 
-    if detect(args.saved_model, ("checkpoint", "saved_model"), "convert's source").kind == "checkpoint":
-        return _convert_checkpoint(args, console, opts)
-    checkpoint_only = [flag for flag, given in (("--policy-id", args.policy_id), ("--all-policies", args.all_policies),
-                                                ("--no-filter", args.no_filter),
-                                                ("--actions", args.actions != "environment")) if given]
-    if checkpoint_only:
-        raise InputError(f"{', '.join(checkpoint_only)} apply to RLlib checkpoints only; {args.saved_model} holds no "
-                         f"rllib_checkpoint.json")
-    pairs = []
-    for item in args.state:
-        a, sep, b = item.partition("=")
-        if not sep or not a or not b:
-            raise InputError(f"--state {item!r}: expected IN_KEY=OUT_KEY")
-        pairs.append((a, b))
-    spaces = {name: _space_option(getattr(args, name), f"--{name.replace('_', '-')}")
-              for name in ("observation_space", "action_space")}
-    opts.check_export(spaces["observation_space"], args.out)  # without one, budgets once the model is read
-    _heavy_imports(args)
-    from policy_export.exporter.convert import SourceOptions, run_convert_saved_model
-    from policy_export.exporter.options import replace
-    from policy_export.exporter.reports import parity_table
-
-    source = SourceOptions(signature_key=args.signature or "serving_default", tag=args.tag or "serve",
-                           state_pairs=pairs or None, dist_inputs=args.dist_inputs, weights=args.weights, **spaces)
-    result = run_convert_saved_model(args.saved_model, args.out, source, replace(opts, device=_device_plan(args)))
-    args.progress.close()
-    console.print(parity_table(result.parity, f"parity: {result.parity.samples} samples, source SavedModel session"))
-    for new, old in result.manifest["source"]["key_mapping"].items():
-        console.print(f"  {escape(one_line(old))} -> {escape(one_line(new))}", soft_wrap=True)
-    console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] to "
-                  f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
-    return _partial_status(console, result, args)
-
-
-def _convert_checkpoint(args, console, opts) -> int:
-    """``convert`` of an RLlib checkpoint: read and checked before TensorFlow loads."""
-    from policy_export.errors import InputError
-    from policy_export.exporter.sources.checkpoint import read_checkpoint
-
-    savedmodel_only = [flag for flag, given in (
-        ("--signature", args.signature), ("--tag", args.tag), ("--state", args.state), ("--dist-inputs", args.dist_inputs),
-        ("--weights", args.weights),
-        ("--observation-space", args.observation_space), ("--action-space", args.action_space)) if given]
-    if savedmodel_only:
-        raise InputError(f"{', '.join(savedmodel_only)} apply to SavedModels only; {args.saved_model} is an RLlib "
-                         f"checkpoint, whose spaces and signature come from the checkpoint itself")
-    if args.all_policies and args.policy_id:
-        raise InputError("--policy-id and --all-policies exclude each other")
-    checkpoint = read_checkpoint(args.saved_model)  # the safe reader: nothing is imported or run
-    chosen = list(checkpoint.policies.values()) if args.all_policies else [checkpoint.policy(args.policy_id)]
-    opts.check_checkpoint(chosen, args.out, each=args.all_policies)
-    _heavy_imports(args)
-    from policy_export.exporter.convert import run_convert_checkpoint
-    from policy_export.exporter.options import replace
-    from policy_export.exporter.reports import parity_table
-
-    results = run_convert_checkpoint(checkpoint, chosen, args.out, replace(opts, device=_device_plan(args)),
-                                     each=args.all_policies, use_filter=not args.no_filter, actions=args.actions)
-    args.progress.close()
-    status = EXIT_OK
-    for pid, result in results.items():
-        source = result.manifest["source"]
-        console.print(parity_table(result.parity, f"policy {pid}: parity, {result.parity.samples} samples vs the "
-                                                  f"rebuilt policy's TF session"))
-        filt = source.get("observation_filter")
-        framework = " (framework tf2: its unnamed weights laid out in RLlib's variable order)" \
-            if source.get("framework") == "tf2" else ""
-        console.print(f"  {escape(source['policy_class'])}: {escape(source['network'])} network, "
-                      f"{len(source['weights_used'])} weights{framework}; observation filter: "
-                      f"{escape(filt['class']) + ' (n=' + str(filt['count']) + ')' if filt else 'none'}; "
-                      f"actions: {args.actions}", soft_wrap=True)
-        if source.get("observation_filter_note"):
-            console.print(f"  [yellow]note[/yellow]: {escape(source['observation_filter_note'])}", soft_wrap=True)
-        console.print(f"converted [bold]{escape(one_line(args.saved_model))}[/bold] policy {escape(pid)} to "
-                      f"[bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)}", soft_wrap=True)
-        status = max(status, _partial_status(console, result, args))
-    return status
+        raise ExportError(f"cannot write a report: {e}") from e
 
 
 def cmd_rollout(args, console) -> int:
@@ -524,7 +464,8 @@ def _many_options(args) -> dict:
 
 
 def _many_run_options(args) -> dict:
-    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload)
+    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload,
+                policy_timeout=args.policy_timeout)
 
 
 @contextlib.contextmanager

@@ -27,14 +27,14 @@ from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
-from policy_export.exporter.options import ExportOptions, check_tolerance_keys, replace, serving_name
+from policy_export.exporter.options import ExportOptions, check_tolerance_keys, serving_name
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
 from policy_export.exporter.parity import reference, replay
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32_tolerances
 from policy_export.exporter.parity.exploration import summarize as summarize_exploration
 from policy_export.exporter.parity.plan import ParityPlan, write_plan
 from policy_export.exporter.parity.plan import manifest_record as parity_manifest_record
-from policy_export.exporter.progress import SILENT, MemoryTrace, Progress, peak_rss_mb, release_memory
+from policy_export.exporter.progress import SILENT, MemoryTrace, Progress, release_memory
 from policy_export.exporter.staging import staged_directory
 from policy_export.exporter.watchdog import run_limit
 from policy_export.policy.spaces import leaves, space_to_json
@@ -103,37 +103,6 @@ def run_export(policy, out: str | Path, opts: ExportOptions) -> ExportResult:
     """:func:`export_policy` once ``opts`` passed :meth:`ExportOptions.check_export` for ``policy``
     and ``out`` (a pipeline that knows them earlier checks there), under the run limit in force."""
     return _Export(policy, Path(out), opts).run()
-
-
-def export_spec(spec, out: str | Path, options: ExportOptions | None = None, **keywords: Any) -> ExportResult:
-    """Build the policy of a spec (a :class:`policy.PolicySpec`, or the path of its directory or
-    ``policy.json``) and :func:`export_policy` it; ``options`` as for :func:`export_policy`."""
-    from policy_export.policy.spec import PolicySpec, load_spec
-
-    opts = ExportOptions.make(options, keywords)
-    spec = spec if isinstance(spec, PolicySpec) else load_spec(spec)
-    opts.check_export(spec.observation_space, out)
-    return run_export_spec(spec, out, opts)
-
-
-def run_export_spec(spec, out: str | Path, opts: ExportOptions) -> ExportResult:
-    """:func:`export_spec` of a loaded spec once ``opts`` passed :meth:`ExportOptions.check_export`
-    for its observation space and ``out`` (the command line checks before TensorFlow loads)."""
-    from policy_export.policy.tf_policy import TFPolicy
-
-    plan = plan_devices(opts.device)
-    start = time.perf_counter()
-    with (opts.progress or SILENT).stage("graph build"):
-        policy = TFPolicy.from_spec(spec, device=plan.tf_device)
-    build, build_peak = time.perf_counter() - start, peak_rss_mb()
-    try:
-        with run_limit(opts.run_timeout):
-            result = run_export(policy, out, replace(opts, device=plan))
-    finally:
-        policy.close()
-    result.timings["graph build"] = build
-    result.peak_rss_mb["graph build"] = build_peak
-    return result
 
 
 @contextlib.contextmanager

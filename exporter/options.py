@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from policy_export.errors import ExportError, InputError
+from policy_export.errors import InputError
 from policy_export.exporter import formats as registry
 from policy_export.exporter.defaults import (
     DEFAULT_BATCH, DEFAULT_EXPLORE_SAMPLES, DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OBSERVATIONS, DEFAULT_OPSET,
@@ -242,25 +242,6 @@ class ExportOptions(_Checked):
         if observation_space is not None:
             self.check_policy(observation_space)
         check_target(out, self.overwrite)
-
-    def check_checkpoint(self, policies: Sequence[Any], out: str | Path, each: bool = False) -> None:
-        """:meth:`check_export` for converting ``policies`` of an RLlib checkpoint (each a
-        :class:`~exporter.sources.checkpoint.CheckpointPolicy`, whose export samples the
-        environment's observation space) to ``out``, or to ``out/<policy id>`` each when ``each``
-        (``out`` is then a directory to hold them, or not there yet)."""
-        root = Path(out).absolute()
-        if each and (root.is_symlink() or (root.exists() and not root.is_dir())):
-            raise ExportError(f"output path {root} is a symbolic link or a file; the exports go into a directory")
-        for policy in policies:
-            self.check_export(policy.original_observation_space or policy.observation_space,
-                              checkpoint_target(out, policy.policy_id, each))
-
-
-def checkpoint_target(out: str | Path, policy_id: str, each: bool = False) -> Path:
-    """Where converting the checkpoint policy ``policy_id`` to ``out`` writes its export: ``out``
-    itself, or ``out/<policy id>`` when each policy of the checkpoint is converted."""
-    root = Path(out).absolute()
-    return root / policy_id if each else root
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +139,20 @@ def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = (
     for key, value in report.devices.items():
         ET.SubElement(props, "property", name=f"device.{key}", value=str(value))
     ts.extend(cases)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def junit_many(reports_by_suite: Mapping[str, ParityReport]) -> str:
+    """JUnit XML with one test suite per report (``suite name -> report``), as :func:`junit_xml` writes each."""
+    root = ET.Element("testsuites")
+    tests = failures = 0
+    for suite, report in reports_by_suite.items():
+        one = ET.fromstring(junit_xml(report, suite).split("?>", 1)[1])
+        tests, failures = tests + int(one.get("tests", 0)), failures + int(one.get("failures", 0))
+        root.extend(one.findall("testsuite"))
+    root.set("tests", str(tests))
+    root.set("failures", str(failures))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 

@@ -10,11 +10,18 @@ step, accepts only numeric dtypes whose byte size matches their shape, reads eac
 inside its data file (opened without following links, with a size limit) and never hands any of
 it to TensorFlow's own C++ reader. Entries of other dtypes (strings of an object graph,
 resources) are listed and never read; compressed blocks and sliced (partitioned) variables are
-refused. The entries' CRC32C checksums are not verified.
+refused. Every checksum TensorFlow's own reader checks is checked too: the masked CRC32C of each
+index block (its 5-byte trailer) and of each tensor's bytes (the entry's ``crc32c``), so a file
+altered after it was written is refused rather than served. The tensors read from one checkpoint
+total at most :data:`TOTAL_LIMIT` bytes, however many shards and entries the index declares,
+checked before any data file is opened; each is read from its offset alone, never the whole file.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -25,7 +32,9 @@ from policy_export.errors import UnsafeCheckpointError
 from policy_export.policy.files import read_regular
 
 INDEX_LIMIT = 64 << 20
-DATA_LIMIT = 1 << 30
+DATA_LIMIT = 1 << 30  # bytes of one data file
+TOTAL_LIMIT = 1 << 30  # bytes of all tensors read from one checkpoint, over every shard and entry
+MAX_SHARDS = 10_000
 MAX_ENTRIES = 200_000
 MAX_KEY = 4096  # bytes of one tensor name
 MAX_KEY_BYTES = 64 << 20  # of all names: prefix compression lets a small index declare much more
@@ -35,6 +44,134 @@ FOOTER = 48
 # TensorFlow's DataType enum -> numpy, for the dtypes weights are stored in
 DTYPES = {1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 9: "<i8", 10: "?", 19: "<f2", 22: "<u4",
           23: "<u8"}
+
+
+# ------------------------------------------------------------------------------------- CRC32C
+# CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) as TensorFlow's ``crc32c::Value``, in numpy:
+# the bytes are cut into up to 65536 equal lanes, each lane's register advanced four bytes a step
+# through two 16-bit tables, and the lanes joined by the linear "append n zero bytes" map.
+_POLY = 0x82F63B78
+_MASK_DELTA = 0xA282EAD8
+_LANES = 1 << 16
+_SMALL = 1 << 14  # bytes below which a plain loop is faster
+
+
+def _byte_table() -> np.ndarray:
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(_POLY), table >> 1).astype(np.uint32)
+    return table
+
+
+def _word_tables() -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The byte table (as ints) and two 16-bit tables that advance the register over four bytes."""
+    tables = [_byte_table()]
+    for _ in range(3):
+        tables.append((tables[-1] >> 8) ^ tables[0][tables[-1] & 0xFF])
+    x = np.arange(1 << 16, dtype=np.uint32)
+    low = (tables[3][x & 0xFF] ^ tables[2][x >> 8]).astype(np.uint32)
+    high = (tables[1][x & 0xFF] ^ tables[0][x >> 8]).astype(np.uint32)
+    return [int(v) for v in tables[0]], low, high
+
+
+_BYTE, _LOW, _HIGH = _word_tables()
+
+
+def _bytewise(data, state: int) -> int:
+    for byte in bytes(data):
+        state = _BYTE[(state ^ byte) & 0xFF] ^ (state >> 8)
+    return state
+
+
+def _apply(columns: tuple[int, ...], value: int) -> int:
+    out, bit = 0, 0
+    while value:
+        if value & 1:
+            out ^= columns[bit]
+        value >>= 1
+        bit += 1
+    return out
+
+
+@functools.cache
+def _power(k: int) -> tuple[int, ...]:
+    """The columns of the linear map "advance the register over 2**k zero bytes"."""
+    if k == 0:
+        return tuple(_bytewise(b"\0", 1 << j) for j in range(32))
+    half = _power(k - 1)
+    return tuple(_apply(half, c) for c in half)
+
+
+def _shift(value: int, count: int) -> int:
+    """The register ``value`` advanced over ``count`` zero bytes."""
+    k = 0
+    while count:
+        if count & 1:
+            value = _apply(_power(k), value)
+        count >>= 1
+        k += 1
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_tables(count: int) -> np.ndarray:
+    """Four byte tables of the map "advance the register over ``count`` zero bytes"."""
+    columns, byte = [_shift(1 << j, count) for j in range(32)], np.arange(256, dtype=np.uint32)
+    tables = np.zeros((4, 256), np.uint32)
+    for k in range(4):
+        for bit in range(8):
+            tables[k] ^= np.where((byte >> bit) & 1, np.uint32(columns[8 * k + bit]), np.uint32(0))
+    return tables
+
+
+def _shift_lanes(states: np.ndarray, count: int) -> np.ndarray:
+    """Each register of ``states`` advanced over ``count`` zero bytes."""
+    tables = _shift_tables(count)
+    out = np.zeros_like(states)
+    for k in range(4):
+        out ^= tables[k][(states >> np.uint32(8 * k)) & np.uint32(0xFF)]
+    return out
+
+
+def _crc_register(data, state: int) -> int:
+    """The CRC register after ``data``, from ``state`` (no final inversion)."""
+    size = len(data)
+    if size < _SMALL:
+        return _bytewise(data, state)
+    lanes = _LANES
+    while lanes * 256 > size:
+        lanes //= 2
+    steps = size // (4 * lanes)
+    words = np.frombuffer(data, "<u4", lanes * steps).reshape(lanes, steps)
+    lane, low, high = np.zeros(lanes, np.uint32), np.empty(lanes, np.uint32), np.empty(lanes, np.uint32)
+    lane[0] = state  # the register entering the first lane; the others start from zero
+    for start in range(0, steps, 64):
+        for row in np.ascontiguousarray(words[:, start:start + 64].T):
+            lane ^= row
+            np.bitwise_and(lane, 0xFFFF, out=low)
+            np.right_shift(lane, 16, out=high)
+            _LOW.take(low, out=lane)
+            lane ^= _HIGH.take(high)
+    length = 4 * steps
+    while len(lane) > 1:  # the register is linear: join neighbouring lanes, doubling their length
+        lane = _shift_lanes(lane[0::2], length) ^ lane[1::2]
+        length *= 2
+    return _crc_register(memoryview(data)[lanes * steps * 4:], int(lane[0]))
+
+
+def crc32c(data) -> int:
+    """CRC-32C of ``data`` (any bytes-like object), as TensorFlow's ``crc32c::Value``.
+
+    >>> hex(crc32c(b"123456789"))
+    '0xe3069283'
+    """
+    return _crc_register(memoryview(data).cast("B"), 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data) -> int:
+    """The CRC-32C of ``data`` masked as TensorFlow stores it (``crc32c::Mask``)."""
+    crc = crc32c(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
 
 
 def _read(path: Path, limit: int) -> bytes:
@@ -56,6 +193,7 @@ class BundleEntry:
     offset: int
     size: int
     dtype_enum: int
+    crc32c: int | None = None  # masked, as stored; None when the index holds none
 
 
 class _Cursor:
@@ -109,6 +247,10 @@ def _block(index: bytes, offset: int, size: int, where: str) -> list[tuple[bytes
     """The (key, value) entries of the table block at ``offset`` (``size`` bytes + 5-byte trailer)."""
     if offset < 0 or size < 4 or offset + size + 5 > len(index) - FOOTER:
         raise UnsafeCheckpointError(f"{where}: a block [{offset}, +{size}] outside the index")
+    stored = int.from_bytes(index[offset + size + 1:offset + size + 5], "little")
+    if masked_crc32c(memoryview(index)[offset:offset + size + 1]) != stored:
+        raise UnsafeCheckpointError(f"{where}: the index block at byte {offset} does not match its checksum; "
+                                    "the file was altered or damaged after it was written")
     if index[offset + size] != 0:
         raise UnsafeCheckpointError(f"{where}: a compressed index block (type {index[offset + size]}); only "
                                "uncompressed checkpoint indexes are read")
@@ -149,11 +291,12 @@ def _table(index: bytes, where: str) -> list[tuple[bytes, bytes]]:
     return entries
 
 
-def _typed(fields, where: str, varints: Iterable[int] = (), messages: Iterable[int] = ()):
-    """The fields, each known one checked to have its wire type (0: a varint, 2: bytes)."""
-    varints, messages = set(varints), set(messages)
+def _typed(fields, where: str, varints: Iterable[int] = (), messages: Iterable[int] = (),
+           fixed32: Iterable[int] = ()):
+    """The fields, each known one checked to have its wire type (0: a varint, 2: bytes, 5: 32 bits)."""
+    expected = {**{n: 0 for n in varints}, **{n: 2 for n in messages}, **{n: 5 for n in fixed32}}
     for number, wire, value in fields:
-        if (number in varints and wire != 0) or (number in messages and wire != 2):
+        if expected.get(number, wire) != wire:
             raise UnsafeCheckpointError(f"{where}: field {number} has wire type {wire}")
         yield number, value
 
@@ -174,19 +317,21 @@ def _shape(data: bytes, where: str) -> tuple[int, ...]:
 
 
 def _entry(name: str, data: bytes, where: str) -> BundleEntry:
-    found = {"dtype": 0, "shape": (), "shard": 0, "offset": 0, "size": 0}
+    found = {"dtype": 0, "shape": (), "shard": 0, "offset": 0, "size": 0, "crc32c": None}
     here = f"{where} entry {name!r}"
-    for number, value in _typed(_Cursor(data, here).fields(), here, varints=(1, 3, 4, 5), messages=(2, 7)):
+    fields = _typed(_Cursor(data, here).fields(), here, varints=(1, 3, 4, 5), messages=(2, 7), fixed32=(6,))
+    for number, value in fields:
         if number == 1:
             found["dtype"] = value
         elif number == 2:
             found["shape"] = _shape(value, here)
-        elif number in (3, 4, 5):
-            found[{3: "shard", 4: "offset", 5: "size"}[number]] = value
+        elif number in (3, 4, 5, 6):
+            found[{3: "shard", 4: "offset", 5: "size", 6: "crc32c"}[number]] = value
         elif number == 7:
             raise UnsafeCheckpointError(f"{where}: {name!r} is a sliced (partitioned) variable, which is not read")
     dtype = np.dtype(DTYPES[found["dtype"]]) if found["dtype"] in DTYPES else None
-    entry = BundleEntry(name, dtype, found["shape"], found["shard"], found["offset"], found["size"], found["dtype"])
+    entry = BundleEntry(name, dtype, found["shape"], found["shard"], found["offset"], found["size"], found["dtype"],
+                        found["crc32c"])
     if dtype is not None and int(np.prod(entry.shape, dtype=object)) * dtype.itemsize != entry.size:
         raise UnsafeCheckpointError(f"{where}: {name!r} declares shape {list(entry.shape)} of {dtype} but {entry.size} "
                                f"bytes")
@@ -217,7 +362,7 @@ def bundle_entries(prefix: str | Path) -> tuple[int, dict[str, BundleEntry]]:
         except UnicodeDecodeError:
             raise UnsafeCheckpointError(f"{where}: a tensor name that is not UTF-8") from None
         entries[name] = _entry(name, value, where)
-    if not 1 <= shards <= 10_000 or any(e.shard >= shards for e in entries.values()):
+    if not 1 <= shards <= MAX_SHARDS or any(e.shard >= shards for e in entries.values()):
         raise UnsafeCheckpointError(f"{where}: {shards} data shards, and entries in shards beyond them")
     return shards, entries
 
@@ -228,7 +373,9 @@ def read_bundle(prefix: str | Path, names: Iterable[str] | None = None) -> dict[
 
     Raises:
         UnsafeCheckpointError: as :func:`bundle_entries`; a named tensor missing or of a dtype that is
-            not read; a data file missing, a link, too large, or shorter than an entry needs.
+            not read; the tensors to read over :data:`TOTAL_LIMIT` bytes in all; a data file missing,
+            a link, too large, or shorter than an entry needs; a tensor whose bytes do not match
+            its checksum.
     """
     prefix = Path(prefix)
     shards, entries = bundle_entries(prefix)
@@ -239,21 +386,64 @@ def read_bundle(prefix: str | Path, names: Iterable[str] | None = None) -> dict[
             why = "holds no tensor" if entry is None else f"stores it as dtype {entry.dtype_enum}, not a number"
             raise UnsafeCheckpointError(f"{prefix}: the checkpoint {why} {name!r}")
         wanted.append(entry)
-    data: dict[int, bytes] = {}
-    out = {}
+    total = sum(e.size for e in wanted)
+    if total > TOTAL_LIMIT:
+        raise UnsafeCheckpointError(
+            f"{prefix}: {len(wanted)} tensors of {total} bytes in all (across {len({e.shard for e in wanted})} "
+            f"data files), over the {TOTAL_LIMIT >> 20} MiB a checkpoint may hold; nothing was read")
+    by_shard: dict[int, list[BundleEntry]] = {}
     for entry in wanted:
-        if entry.shard not in data:
-            path = prefix.parent / f"{prefix.name}.data-{entry.shard:05d}-of-{shards:05d}"
-            data[entry.shard] = _read(path, DATA_LIMIT)
-        blob = data[entry.shard]
-        if entry.offset + entry.size > len(blob):
-            raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} lies past the end of its data file")
-        raw = blob[entry.offset:entry.offset + entry.size]
+        by_shard.setdefault(entry.shard, []).append(entry)
+    out = {}
+    for shard in sorted(by_shard):  # one data file open at a time
+        fd = _open_data(prefix.parent / f"{prefix.name}.data-{shard:05d}-of-{shards:05d}")
         try:
-            out[entry.name] = np.frombuffer(raw, entry.dtype).reshape(entry.shape).astype(entry.dtype.newbyteorder("="))
-        except (ValueError, MemoryError) as e:
-            raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} of shape {list(entry.shape)}: {e}") from None
+            size = os.fstat(fd).st_size
+            for entry in by_shard[shard]:
+                out[entry.name] = _read_tensor(fd, size, entry, prefix)
+        finally:
+            os.close(fd)
     return out
+
+
+def _open_data(path: Path) -> int:
+    """A descriptor of the data file ``path``: opened without following a link, a regular file of at
+    most :data:`DATA_LIMIT` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnsafeCheckpointError(f"cannot read {path}: {e.strerror} (a symbolic link is never followed)") from e
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > DATA_LIMIT:
+        os.close(fd)
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} bytes, over {DATA_LIMIT}"
+        raise UnsafeCheckpointError(f"refusing to read {path}: {why}")
+    return fd
+
+
+def _short(name: str) -> str:
+    return repr(name) if len(name) <= 120 else repr(name[:117] + "...")
+
+
+def _read_tensor(fd: int, file_size: int, entry: BundleEntry, prefix: Path) -> np.ndarray:
+    """``entry``'s array, its bytes read from their offset alone and checked against their checksum."""
+    if entry.offset + entry.size > file_size:
+        raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} lies past the end of its data file")
+    raw = np.empty(entry.size, np.uint8)
+    done = 0
+    while done < entry.size:
+        got = os.preadv(fd, [raw[done:]], entry.offset + done)
+        if got <= 0:
+            raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} lies past the end of its data file")
+        done += got
+    if entry.crc32c is None or masked_crc32c(raw) != entry.crc32c:
+        why = "has no checksum" if entry.crc32c is None else "does not match its checksum"
+        raise UnsafeCheckpointError(f"{prefix}: the bytes of {_short(entry.name)} {why}; the checkpoint was altered or "
+                                    "damaged after it was written, and nothing from it is used")
+    try:
+        return raw.view(entry.dtype).reshape(entry.shape).astype(entry.dtype.newbyteorder("="), copy=False)
+    except (ValueError, MemoryError) as e:
+        raise UnsafeCheckpointError(f"{prefix}: {entry.name!r} of shape {list(entry.shape)}: {e}") from None
 
 
 def checkpoint_prefix(path: str | Path) -> Path:

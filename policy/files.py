@@ -27,4 +27,13 @@ def read_regular(file: Path, limit: int, error: type[Exception] = ExportError) -
         if info.st_size > limit:
             raise error(f"refusing to read {file}: {info.st_size} bytes, over {limit} bytes (the "
                         f"{limit / 2**20:.3g} MiB limit)")
-        return f.read(limit + 1)
+        chunks, total = [], 0
+        while total <= limit:  # in chunks: memory follows the file's bytes, never the limit
+            chunk = f.read(min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise error(f"refusing to read {file}: it grew past {limit} bytes while it was read")
+        return b"".join(chunks)

@@ -52,7 +52,7 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise _Refused(f"duplicate key {key!r} in an object")
+            raise _Refused(f"duplicate key {key[:40]!r}{'...' if len(key) > 40 else ''} in an object")
         out[key] = value
     return out
 

@@ -181,6 +181,9 @@ def compute_sequence_actions(policy, obs: Any, state, prev_action, prev_reward, 
     """:meth:`TFPolicy.compute_actions` for recurrent policies (the training-time graph)."""
 
     graph = policy.sequence_graph
+    if graph is None:
+        raise InputError("this recurrent policy has no sequence graph: step it one observation at a time with "
+                         "run(), feeding each state_in_i the state_out_i of the step before")
     feeds = policy.observation_feeds(obs)
     rows = len(np.asarray(next(iter(feeds.values()))))
     seq_lens = np.ones(rows, np.int32) if seq_lens is None else np.asarray(seq_lens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,14 @@ FIXTURES = ["cartpole_mlp", "pendulum_mlp", "dict_image_vector", "image_uint8", 
             "multibinary_action", "discrete_obs", "cartpole_lstm"]
 RECURRENT = ["cartpole_lstm"]
 FORMATS = ["saved_model", "frozen_graph", "onnx", "onnx_deterministic", "keras"]
+
+
+def default_signals() -> None:
+    """``preexec_fn`` of a child a test sends signals to: SIGINT, SIGTERM and SIGHUP at their
+    defaults, whatever the suite inherited (``nohup`` ignores SIGHUP; a shell's background job
+    starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def pytest_configure(config):
@@ -144,3 +153,20 @@ def splice_endless_init(pb: Path) -> None:
     meta.signature_def.pop("__saved_model_init_op", None)
     meta.collection_def["saved_model_main_op"].node_list.value.append(main_op.name)
     pb.write_bytes(proto.SerializeToString())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The slowest 15 test modules by the summed time of their tests (setup, call and teardown;
+    with xdist, the workers' times added up), so the suite's growth shows in every run."""
+    per_module: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, duration = getattr(report, "nodeid", ""), getattr(report, "duration", None)
+            if nodeid and isinstance(duration, float):
+                module = nodeid.split("::", 1)[0]
+                per_module[module] = per_module.get(module, 0.0) + duration
+    if not per_module:
+        return
+    terminalreporter.write_sep("-", "slowest 15 test modules (summed test time)")
+    for module, seconds in sorted(per_module.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")

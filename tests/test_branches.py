@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES_DIR
-from test_cli import cli
+from helpers import cli
 
 # The one internal this file patches (a dotted path, so that it is easy to update when modules move):
 # what ``policy-export inspect`` calls to read a contract.
@@ -504,7 +504,7 @@ def test_exit_2_on_bad_input(tmp_path):
     proc = cli("export", str(missing), "--out", str(out))
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr == f"policy-export: error: invalid policy spec {missing}: $: file not found\n"
+    assert proc.stderr == f"policy-export: error: export's source {missing}: no such directory\n"
     assert not out.exists()
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policy_export.errors import ExportError, UnsafeCheckpointError, WeightsError
+from policy_export.errors import ExportError, WeightsError
 from policy_export.exporter.convert import convert_checkpoint, convert_checkpoint_policies
 from policy_export.exporter.options import ExportOptions
 from policy_export.exporter.sources.checkpoint import read_checkpoint
 from policy_export.exporter.sources.checkpoint_policy import load_checkpoint_policy
-from test_cli import cli
+from helpers import cli
 
 from tests.checkpoint_matrix import (
     ATOL, CASES, CHECKPOINTS, OnnxPolicy, case_record, expected_outputs, onnx_errors, passes, raw_observations,
@@ -177,12 +177,28 @@ def test_weights_that_do_not_fit_the_config_are_named():
         load_checkpoint_policy(policy)
 
 
+@pytest.mark.parametrize("index,shape,message", [
+    (4, (16, 3), r"weight 4 is \[16, 3\], where the network its config describes has fc_out/kernel \[16, 2\]"),
+    (2, (4, 17), r"weight 2 is \[4, 17\], where the network its config describes has fc_value_1/kernel \[4, 16\]"),
+    (7, (2,), r"weight 7 is \[2\], where the network its config describes has value_out/bias \[1\]"),
+])
+def test_a_tf2_weight_of_the_right_rank_and_the_wrong_size_is_named(tmp_path, index, shape, message):
+    checkpoint = read_checkpoint(CHECKPOINTS / "ppo_tf2/checkpoint")
+    policy = checkpoint.policy()
+    policy.weight_list[index] = np.zeros(shape, np.float32)  # same rank as the layout's weight at that place
+    out = tmp_path / "out"
+    with pytest.raises(WeightsError, match=message):
+        convert_checkpoint(checkpoint, out, device="cpu", options=ONNX_ONLY)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda p: p.config["model"].update(custom_model="MyNet"), "custom model 'MyNet'.*from_rllib"),
     (lambda p: setattr(p, "policy_class", "MyTFPolicy"), "MyTFPolicy is not one the package rebuilds"),
     (lambda p: setattr(p, "observation_space", __import__("gymnasium").spaces.Box(0, 1, (4, 4))),
      "ComplexInputNetwork"),
-    (lambda p: p.config["model"].update(use_attention=True), "attention"),
+    (lambda p: p.config["model"].update(use_attention=True, attention_use_n_prev_rewards=1),
+     "attention net fed previous actions or rewards is not rebuilt"),
 ])
 def test_what_is_not_rebuilt_is_named(change, message):
     policy = read_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint").policy()
@@ -257,7 +273,7 @@ def test_a_hostile_checkpoint_is_exit_2_with_nothing_run_or_written(tmp_path, ma
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--signature", "x"], "--signature apply to SavedModels only"),
+    (["--signature", "x"], "--signature applies to a SavedModel directory (saved_model.pb) only"),
     (["--policy-id", "gamma"], "holds no policy 'gamma'; its policy ids: alpha, beta"),
     ([], "holds 2 policies"),
     (["--policy-id", "alpha", "--all-policies"], "exclude each other"),
@@ -278,7 +294,7 @@ def test_a_directory_of_checkpoints_names_them(tmp_path):
 def test_checkpoint_options_on_a_saved_model_are_refused(tmp_path):
     saved_model = CHECKPOINTS.parent / "legacy_algos" / "dqn_plain" / "saved_model"  # RLlib 2.0.1's export
     run = cli("convert", str(saved_model), "--out", str(tmp_path / "o"), "--no-filter")
-    assert run.returncode == 2 and "--no-filter apply to RLlib checkpoints only" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--no-filter applies to an RLlib checkpoint (rllib_checkpoint.json) only" in run.stderr, run.stderr
 
 
 def test_cli_all_policies(tmp_path):

@@ -23,7 +23,7 @@ from policy_export.exporter.convert import convert_checkpoint
 from policy_export.exporter.options import ExportOptions
 from policy_export.exporter.sources.checkpoint import read_checkpoint
 from policy_export.exporter.sources.checkpoint_policy import eager_layout, load_checkpoint_policy, network_kind
-from test_cli import cli
+from helpers import cli
 
 from tests.checkpoint_matrix import CASES, CHECKPOINTS, case_record, onnx_errors, passes
 

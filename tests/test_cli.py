@@ -8,7 +8,6 @@ environment): ``isolated=True``, ``cwd`` or ``env_extra`` run the console script
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,41 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli
 from conftest import FIXTURES_DIR
 
-SCRIPT = Path(sys.executable).parent / "policy-export"
 NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback", "oneDNN")
-
-
-def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None,
-        isolated: bool = False) -> subprocess.CompletedProcess:
-    if not (isolated or cwd or env_extra or os.environ.get("POLICY_EXPORT_CLI_TESTS_IN_SUBPROCESS")):
-        return _in_process(args)
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
-    env.update(env_extra or {})
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
-
-
-def _in_process(args) -> subprocess.CompletedProcess:
-    """``policy-export ARGS`` run by :func:`policy_export.exporter.cli.main` in this process, its
-    stdout and stderr captured (as text, as a subprocess's would be)."""
-    import contextlib
-    import io
-
-    from policy_export.exporter.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.pop(k) for k in ("GITHUB_STEP_SUMMARY",) if k in os.environ}
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse: usage errors and --help
-                code = e.code if isinstance(e.code, int) else 2
-    finally:
-        os.environ.update(saved)
-    return subprocess.CompletedProcess(["policy-export", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_quiet(stderr: str) -> None:
@@ -119,7 +87,7 @@ def test_existing_output_is_exit_2_without_traceback(exported):
 @pytest.mark.parametrize("setup, args, fragment", [
     (lambda d: (d / "policy.json").write_text("{nope"), [], "not valid JSON"),
     (lambda d: (d / "policy.json").write_text(json.dumps({"format_version": 1})), [], "$.name: missing"),
-    (lambda d: None, [], "file not found"),
+    (lambda d: None, [], "is not a spec directory (policy.json)"),
     (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--opset", "3"], "opset 3"),
     (lambda d: shutil.copytree(FIXTURES_DIR / "cartpole_mlp", d, dirs_exist_ok=True), ["--formats", "coreml"],
      "unknown format"),

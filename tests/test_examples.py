@@ -27,7 +27,7 @@ EXPECTED = {
                    "no change to any input or output", "BREAKING:", "dtype changed from int64 to float32",
                    "diff exit code: 1"],
     "rllib_checkpoint.sh": ["PPOTF1Policy", "MeanStdFilter (n=209)", "actions: environment",
-                            "policy default_policy to"],
+                            "policy default_policy: parity", "exported"],
     "python_api.py": ["parity passed: True", "verify passed: True", "required inputs: ['observations']",
                       "actions: ["],
 }

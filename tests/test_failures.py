@@ -22,7 +22,7 @@ from policy_export.exporter import export_policy, export_spec, formats
 from policy_export.exporter.staging import staged_directory
 from policy_export.policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
 from policy_export.policy.h5io import read_h5_weights, write_h5_weights
-from test_cli import cli
+from helpers import cli
 
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -21,12 +21,12 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, default_signals
 from policy_export.exporter import manifest
 from policy_export.exporter.staging import _write_journal, journal_path, lock_path, staged_directory
 from policy_export.policy import ExportError, InputError, SpecError, WeightsError, spec_from_json
 from policy_export.policy.h5io import read_h5_weights
-from test_cli import cli
+from helpers import cli, one_line_error, resign, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,47 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
-    """Every entry under ``root`` (not following links) with its kind and content digest."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            rel = full.relative_to(root).as_posix()
-            if rel.split("/")[0] in skip:
-                continue
-            st = os.lstat(full)
-            if os.path.islink(full):
-                out[rel] = "link:" + os.readlink(full)
-            elif os.path.isfile(full):
-                out[rel] = "file:" + hashlib.sha256(full.read_bytes()).hexdigest()
-            elif os.path.isdir(full):
-                out[rel] = "dir"
-            else:
-                out[rel] = f"special:{st.st_mode:o}"
-    return out
-
-
-def one_line_error(proc, code: int, fragment: str) -> None:
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert fragment in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr
-
-
 def copy_export(exports, tmp_path: Path, name: str = "cartpole_mlp") -> Path:
     _, out = exports(name)
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
     return copy
-
-
-def resign(export: Path) -> None:
-    """Rewrite the manifest's file list for the files now present (what an attacker would do)."""
-    doc = json.loads((export / "manifest.json").read_text())
-    doc["files"] = manifest.file_records(export)
-    (export / "manifest.json").write_text(json.dumps(doc, indent=2))
 
 
 def make_saved_model(path: Path, kind: str, victim: Path) -> None:
@@ -240,7 +204,7 @@ def test_a_journalled_old_export_is_restored_and_an_unjournalled_one_is_not(tmp_
 def test_termination_signals_clean_up_like_an_interrupt(tmp_path, sig):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "policy_export", "export", str(FIXTURES_DIR / "cartpole_mlp"),
-                             "--out", str(out), "--samples", "64"], cwd=ROOT,
+                             "--out", str(out), "--samples", "64"], cwd=ROOT, preexec_fn=default_signals,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".pe-*.partial/saved_model")) and time.time() < deadline:

@@ -10,7 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 from policy_export.exporter import api, export_policy, formats
-from test_verify_plan import copy_of, resign, verify_cli
+from helpers import copy_of, resign, verify_cli
 
 FAULTY_WEIGHT = "fc_2/kernel:0"  # the second hidden layer's kernel (initializers are named after the variables)
 

@@ -232,19 +232,20 @@ def test_progress_lines_and_the_live_counts():
     (lambda p: (p / "saved_model.pb").write_bytes(b""), "saved_model"),
 ])
 def test_one_detector_names_each_kind_of_source(tmp_path, make, kind):
-    """convert, inspect and export-many decide what a path is in one place."""
-    from policy_export.exporter.sources.detect import detect
+    """export, inspect and export-many decide what a path is in one place: the sources' registry."""
+    from policy_export.exporter import sources
 
     make(tmp_path)
-    assert detect(tmp_path).kind == kind
+    assert sources.detect(tmp_path).name == kind
     if kind == "spec":
-        assert detect(tmp_path / "policy.json").kind == "spec"
+        assert sources.detect(tmp_path / "policy.json").name == "spec"
 
 
 def test_the_detector_names_what_a_path_is_not_and_inner_checkpoints(tmp_path):
     from policy_export.errors import ExportError, InputError
-    from policy_export.exporter.sources.detect import detect
+    from policy_export.exporter import sources
 
+    detect = sources.detect
     with pytest.raises(InputError, match="no such directory"):
         detect(tmp_path / "nothing")
     with pytest.raises(InputError, match=r"convert's source .* is not an RLlib checkpoint \(rllib_checkpoint.json\) "
@@ -256,4 +257,4 @@ def test_the_detector_names_what_a_path_is_not_and_inner_checkpoints(tmp_path):
     with pytest.raises(ExportError, match="checkpoint_000001, checkpoint_000002: give one of those"):
         detect(tmp_path)
     (tmp_path / "policy.json").write_text("{}")  # a spec beside them: the spec is what the path is
-    assert detect(tmp_path).kind == "spec"
+    assert detect(tmp_path).name == "spec"

@@ -133,7 +133,8 @@ def test_export_many_on_ray_exports_and_verifies_every_policy(tmp_path, address)
     assert executor["executor"] == "ray" and executor["ray_version"] == ray.__version__
     assert executor["address"] == address and executor["gcs_address"].endswith(address[address.rindex(":"):])
     assert executor["cluster"]["cpus"] == 2.0 and executor["parallel"] == 2 and executor["nodes"] == 1
-    assert executor["task"] == {"num_cpus": 1, "memory_mb": None, "max_calls": 1} and executor["retries"] == 3
+    assert executor["task"] == {"num_cpus": 1, "memory_mb": None, "max_calls": 1, "timeout_s": 1800.0}
+    assert executor["retries"] == 3
     assert any(f"{POLICIES}/{POLICIES} done" in line for line in lines)
     assert json.loads(json.dumps(result.to_json()))  # the report, executor included, is plain JSON
     # and each of those processes exited when its policy was done (max_calls=1): nothing is reused
@@ -153,7 +154,7 @@ def test_the_driver_connects_without_tensorflow_and_reports_the_cluster(address)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tf"] is False
-    assert out["describe"]["task"] == {"num_cpus": 1, "memory_mb": 256, "max_calls": 1}
+    assert out["describe"]["task"] == {"num_cpus": 1, "memory_mb": 256, "max_calls": 1, "timeout_s": None}
     assert out["describe"]["nodes"] == 1 and out["describe"]["cluster"]["memory_mb"] > 0
 
 
@@ -277,3 +278,16 @@ def test_a_killed_driver_rerun_skips_what_is_done(tmp_path, address):
     assert all(s == "passed" for n, s in statuses.items() if n not in done)
     for name in statuses:  # every export whole: its files match the hashes of its manifest
         assert not manifest.check_files(root / name, manifest.read_manifest(root / name), formats.paths()).problems
+
+
+def test_a_policy_past_its_time_limit_is_ended_by_its_worker_and_fails(tmp_path, address):
+    start = time.monotonic()
+    result = export_many(_copies(tmp_path / "src", 1), tmp_path / "out", ray=address, policy_timeout=1.0,
+                         progress=lambda line: None, **QUICK)
+    [only] = result.results
+    assert only["status"] == "failed" and only["attempts"] == 1, only  # the policy's failure: not retried
+    assert "over the time limit of 1 s per policy" in only["failures"][0], only
+    assert result.executor["task"]["timeout_s"] == 1.0
+    assert not (tmp_path / "out" / "p0" / "manifest.json").exists()
+    _wait_no_tasks(limit=15)
+    assert time.monotonic() - start < 60

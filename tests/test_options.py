@@ -77,10 +77,10 @@ def test_a_cli_export_checks_before_tensorflow_and_the_pipeline_does_not_again(t
 
 
 def test_a_checkpoint_is_checked_once_per_policy_from_the_cli_and_the_api(tmp_path, counted, monkeypatch):
-    from policy_export.exporter import convert
+    from policy_export.exporter import convert, pipeline
     from policy_export.exporter.cli import main
 
-    monkeypatch.setattr(convert, "_convert_checkpoint_policy", _stop)
+    monkeypatch.setattr(pipeline, "_export_one", _stop)
     out = tmp_path / "league"
     assert main(["convert", str(CHECKPOINT), "--out", str(out), "--all-policies", "--samples", "20",
                  "--explore-samples", "0", "--device", "cpu", "-q"]) == 3
@@ -133,3 +133,20 @@ def test_many_jobs_and_memory_are_refused_before_anything_runs_alike(tmp_path, c
     assert main(["verify-many", str(tmp_path), "--memory-mb", "0"]) == 2
     assert "memory_mb (--memory-mb) must be a number of MiB above 0, got 0.0" in capsys.readouterr().err
     assert not root.exists()
+
+
+def test_an_option_whose_owner_is_not_in_play_is_refused_naming_it(tmp_path, capsys):
+    from policy_export.exporter import export_spec
+    from policy_export.exporter.cli import main
+
+    message = ("--model-name applies to the formats triton, tf_serving only; none of them is chosen "
+               "(--formats saved_model,onnx)")
+    with pytest.raises(InputError, match=re.escape(message)):
+        export_spec(SPEC, tmp_path / "a", formats=["saved_model", "onnx"], model_name="mine")
+    assert main(["export", str(SPEC), "--out", str(tmp_path / "b"), "--formats", "saved_model,onnx",
+                 "--model-name", "mine"]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["export", str(SPEC), "--out", str(tmp_path / "c"), "--weights", "w.index"]) == 2
+    assert ("--weights applies to a SavedModel directory (saved_model.pb) only; this source is a spec directory "
+            "(policy.json)") in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -18,7 +18,7 @@ from policy_export.exporter.inspection import contract_of
 from policy_export.policy import ExportError, TFPolicy
 from policy_export.signatures.contract import Contract, TensorSpec
 from policy_export.signatures.diff import diff_contracts
-from test_cli import cli
+from helpers import cli
 
 tf1 = tf.compat.v1
 

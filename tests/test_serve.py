@@ -7,7 +7,6 @@ Skipped where the extra is not installed. CI runs them in an environment of thei
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -105,10 +104,11 @@ def test_tritonserver_applies_its_own_load_rules_to_a_repository(served_exports,
     assert 'name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]' in text
     config.write_text(text.replace('name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]',
                                    'name: "explore"\n    data_type: TYPE_BOOL\n    dims: [ 1 ]\n    reshape: { shape: [ ] }'))
+    info = read_manifest(out)["formats"]["triton"]
     with pytest.raises(ExportError, match="cannot have empty reshape for non-batching model"):
-        with RepositoryServer(bad):
+        with RepositoryServer(bad, info):
             pass
-    with RepositoryServer(out / "triton") as server:  # the repository as written loads
+    with RepositoryServer(out / "triton", info) as server:  # the repository as written loads
         assert sorted(server.models) == ["cartpole_mlp", "cartpole_mlp_explore"]
 
 
@@ -133,7 +133,7 @@ def test_a_repository_config_the_package_did_not_write_is_refused_before_a_serve
     config = bad / "cartpole_mlp" / "config.pbtxt"
     config.write_text(config.read_text() + extra + "\n")
     with pytest.raises(InputError, match=message):
-        RepositoryServer(bad)
+        RepositoryServer(bad, read_manifest(out)["formats"]["triton"])
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_concurrent_clients_are_batched_and_answered_row_for_row(live):
 
 
 def test_serve_refuses_a_busy_port_and_a_changed_export(served_exports, tmp_path):
-    from test_cli import cli
+    from helpers import cli
 
     _, out = served_exports("cartpole_mlp")
     import socket
@@ -219,9 +219,11 @@ def test_serve_refuses_a_busy_port_and_a_changed_export(served_exports, tmp_path
 
 
 def _servers_on(port: int) -> list[str]:
+    """The tritonserver processes with gRPC on ``port`` (HTTP goes through the front, the server's
+    own HTTP endpoint is on a private port)."""
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "tritonserver" in line and f"--http-port={port}" in line
-            or "tritonserver" in line and f"--http-port {port}" in line]
+    return [line for line in ps.splitlines() if "tritonserver" in line and f"--grpc-port={port}" in line
+            or "tritonserver" in line and f"--grpc-port {port}" in line]
 
 
 def test_the_serve_command_prints_ready_answers_and_stops_on_sigterm(served_exports):
@@ -241,7 +243,7 @@ def test_the_serve_command_prints_ready_answers_and_stops_on_sigterm(served_expo
                 break
         assert lines and lines[-1].startswith("ready:"), (lines, proc.stderr.read() if proc.poll() is not None else "")
         assert any(f"http://127.0.0.1:{http}/v2/models/policy/infer" in line for line in lines)
-        assert _servers_on(http), "no tritonserver process on the port"
+        assert _servers_on(grpc), "no tritonserver process on the port"
         inputs, outputs = _golden(out)
         client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{http}")
         got = _request(client, "policy", "observations", np.ascontiguousarray(inputs["observations"][:5]), "FP32")
@@ -254,6 +256,6 @@ def test_the_serve_command_prints_ready_answers_and_stops_on_sigterm(served_expo
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 20
-    while _servers_on(http) and time.monotonic() < deadline:
+    while _servers_on(grpc) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _servers_on(http), "a tritonserver process was left behind"
+    assert not _servers_on(grpc), "a tritonserver process was left behind"

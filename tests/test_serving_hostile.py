@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_cli import cli
-from test_hardening import resign, snapshot
+from helpers import cli
+from helpers import resign, snapshot
 
 INTERNAL = 3
 
@@ -444,7 +444,6 @@ def test_candidate_openvino_directory_refused(served, tmp_path, outside, kind):
 def test_candidate_openvino_weights_not_matching_xml_refused(served, tmp_path, edit):
     """Const offsets/sizes that do not fit model.bin, or a shape its size cannot hold: OpenVINO's own
     checks refuse them (no out-of-bounds read)."""
-    import re
 
     ir = _ir(served, tmp_path)
     xml = (ir / "model.xml").read_text()

@@ -18,8 +18,9 @@ from policy_export import TFPolicy, load_spec
 from policy_export.errors import UnsafeCheckpointError, WeightsError
 from policy_export.exporter.convert import convert_saved_model
 from policy_export.exporter.options import ExportOptions
-from policy_export.policy.bundleio import bundle_entries, checkpoint_prefix, read_bundle
-from test_cli import cli
+from policy_export.policy.bundleio import (TOTAL_LIMIT, bundle_entries, checkpoint_prefix, crc32c, masked_crc32c,
+                                          read_bundle)
+from helpers import cli
 from tests.checkpoint_matrix import OnnxPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,32 +123,41 @@ def _index(entries: list[tuple[bytes, bytes]], block_type: int = 0, data: bytes 
     """A table as TensorFlow writes one: a data block (``data``, else made of ``entries``), an
     empty meta index, an index block, a footer."""
     data = _block(entries) if data is None else data
-    out = data + bytes([block_type]) + b"\0" * 4
+    out = data + _trailer(data, block_type)
     meta_at = len(out)
     meta = _block([])
-    out += meta + b"\0" * 5
+    out += meta + _trailer(meta)
     index_at = len(out)
     index = _block([(b"\xff", _varint(0) + _varint(len(data)))])
-    out += index + b"\0" * 5
+    out += index + _trailer(index)
     handles = _varint(meta_at) + _varint(len(meta)) + _varint(index_at) + _varint(len(index))
     return out + handles + b"\0" * (40 - len(handles)) + (0xDB4775248B80FB57).to_bytes(8, "little")
 
 
-def _entry(shape: list[int], size: int, offset: int = 0, dtype: int = 1, sliced: bool = False) -> bytes:
+def _trailer(block: bytes, block_type: int = 0) -> bytes:
+    """A table block's trailer as TensorFlow writes it: its type and the masked CRC32C of both."""
+    return bytes([block_type]) + masked_crc32c(block + bytes([block_type])).to_bytes(4, "little")
+
+
+def _entry(shape: list[int], size: int, offset: int = 0, dtype: int = 1, sliced: bool = False,
+           data: bytes | None = None, shard: int = 0) -> bytes:
+    """A ``BundleEntryProto``; with ``data``, the masked CRC32C of its bytes there (field 6)."""
     dims = b"".join(_field(2, _field(1, d)) for d in shape)
-    return (_field(1, dtype) + _field(2, dims) + _field(4, offset) + _field(5, size)
-            + (_field(7, _field(1, b"")) if sliced else b""))
+    crc = b"" if data is None else _varint(6 << 3 | 5) + masked_crc32c(data[offset:offset + size]).to_bytes(4, "little")
+    return (_field(1, dtype) + _field(2, dims) + (_field(3, shard) if shard else b"") + _field(4, offset)
+            + _field(5, size) + crc + (_field(7, _field(1, b"")) if sliced else b""))
 
 
-def _write(tmp_path: Path, entries, data: bytes = b"\0" * 16, block_type: int = 0) -> Path:
-    header = (b"", _field(1, 1))
+def _write(tmp_path: Path, entries, data: bytes = b"\0" * 16, block_type: int = 0, shards: int = 1) -> Path:
+    header = (b"", _field(1, shards))
     (tmp_path / "model.index").write_bytes(_index([header, *entries], block_type))
     (tmp_path / "model.data-00000-of-00001").write_bytes(data)
     return tmp_path / "model"
 
 
 def test_a_minimal_checkpoint_reads(tmp_path):
-    prefix = _write(tmp_path, [(b"w", _entry([2, 2], 16))], np.arange(4, dtype="<f4").tobytes())
+    data = np.arange(4, dtype="<f4").tobytes()
+    prefix = _write(tmp_path, [(b"w", _entry([2, 2], 16, data=data))], data)
     np.testing.assert_array_equal(read_bundle(prefix)["w"], np.arange(4, dtype=np.float32).reshape(2, 2))
 
 
@@ -205,3 +215,135 @@ def test_fields_of_the_wrong_wire_type_are_refused(tmp_path, entry):
     prefix = _write(tmp_path, [(b"w", entry)])
     with pytest.raises(UnsafeCheckpointError, match="wire type"):
         bundle_entries(prefix)
+
+
+# ------------------------------------------------------------------------------------ checksums
+
+FC_OUT = "default_policy/fc_out/kernel"
+
+
+def _flip(path: Path, at: int, bit: int = 0x80) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def test_crc32c_is_tensorflows():
+    # the check value of CRC-32C and the masked CRC TensorFlow stored for a real tensor
+    assert crc32c(b"123456789") == 0xE3069283
+    _, entries = bundle_entries(SAVER / "cartpole_ff/tf1_checkpoint/model")
+    data = (SAVER / "cartpole_ff/tf1_checkpoint/model.data-00000-of-00001").read_bytes()
+    entry = entries[FC_OUT]
+    assert masked_crc32c(data[entry.offset:entry.offset + entry.size]) == entry.crc32c
+
+
+def test_a_flipped_bit_in_a_real_checkpoint_is_refused_as_tensorflow_refuses_it(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(SAVER / "cartpole_ff/tf1_checkpoint", ck)
+    _, entries = bundle_entries(ck / "model")
+    _flip(ck / "model.data-00000-of-00001", entries[FC_OUT].offset + 3)  # the sign of one action weight
+    with pytest.raises(tf.errors.OpError, match="Checksum does not match"):
+        tf.train.load_checkpoint(str(ck / "model")).get_tensor(FC_OUT)
+    with pytest.raises(UnsafeCheckpointError, match=f"the bytes of '{FC_OUT}' does not match its checksum"):
+        read_bundle(ck / "model", [FC_OUT])
+    out = tmp_path / "out"
+    run = cli("convert", str(SAVER / "cartpole_ff/saved_model"), "--out", str(out), "--weights", str(ck))
+    assert run.returncode == 2, run.stderr
+    assert f"'{FC_OUT}' does not match its checksum" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and len(run.stderr) < 600
+    assert not out.exists()
+
+
+def test_a_changed_byte_in_a_real_index_is_refused_as_tensorflow_refuses_it(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(SAVER / "cartpole_ff/tf1_checkpoint", ck)
+    index = (ck / "model.index").read_bytes()
+    _flip(ck / "model.index", index.index(b"fc_out"), 0x01)  # a same-size rename: fc_out -> gc_out
+    with pytest.raises(tf.errors.OpError, match="block checksum mismatch"):
+        tf.train.load_checkpoint(str(ck / "model"))
+    with pytest.raises(UnsafeCheckpointError, match="does not match its checksum; the file was altered"):
+        bundle_entries(ck / "model")
+
+
+def test_fresh_saver_checkpoints_of_every_dtype_read_and_a_flip_is_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    values = {f"v_{np.dtype(d).name}": (rng.uniform(-9, 9, (5, 3)) > 0 if d == bool else
+                                         rng.uniform(-9, 9, (5, 3)).astype(d))
+              for d in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8, np.int16, bool)}
+    values["big"] = rng.standard_normal((301, 257)).astype(np.float32)  # past the lane path's threshold, odd length
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.Variable(v, name=k) for k, v in values.items()]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver(variables).save(session, str(tmp_path / "model"))
+    got = read_bundle(tmp_path / "model")
+    assert set(got) == set(values)
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+        assert got[name].dtype == value.dtype
+    _, entries = bundle_entries(tmp_path / "model")
+    _flip(tmp_path / "model.data-00000-of-00001", entries["big"].offset + entries["big"].size - 1, 0x01)
+    with pytest.raises(UnsafeCheckpointError, match="'big' does not match its checksum"):
+        read_bundle(tmp_path / "model")
+    np.testing.assert_array_equal(read_bundle(tmp_path / "model", ["v_int64"])["v_int64"], values["v_int64"])
+
+
+def test_an_entry_without_a_checksum_is_refused(tmp_path):
+    prefix = _write(tmp_path, [(b"w", _entry([4], 16))])
+    with pytest.raises(UnsafeCheckpointError, match="'w' has no checksum"):
+        read_bundle(prefix)
+
+
+# --------------------------------------------------------------------------------- total budget
+
+def test_a_checkpoint_of_several_shards_reads_each_tensor_from_its_own(tmp_path):
+    parts = [np.full(3, i, "<f4").tobytes() for i in range(3)]
+    entries = [(f"w{i}".encode(), _entry([3], 12, data=part, shard=i)) for i, part in enumerate(parts)]
+    prefix = _write(tmp_path, entries, shards=3)
+    for i, part in enumerate(parts):
+        (tmp_path / f"model.data-{i:05d}-of-00003").write_bytes(part)
+    got = read_bundle(prefix)
+    assert {k: v.tolist() for k, v in got.items()} == {f"w{i}": [float(i)] * 3 for i in range(3)}
+
+
+def _sparse(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)  # a hole: no disk, and reading it would cost the full size in memory
+
+
+def _refused_within_budget(prefix: Path, message: str) -> None:
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match=message) as caught:
+            read_bundle(prefix)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 10 and peak < 96 << 20, peak  # the index read: up to its 64 MiB limit
+    assert len(str(caught.value)) < 400
+
+
+def test_shards_each_within_the_limit_that_sum_past_the_budget_are_refused(tmp_path):
+    # 1100 shards of 1 MiB each: every file is far below the per-file limit, the sum is not
+    count, size = 1100, 1 << 20
+    entries = [(f"w{i:04d}".encode(), _entry([size // 4], size, shard=i)) for i in range(count)]
+    prefix = _write(tmp_path, entries, shards=count)
+    for i in range(count):
+        _sparse(tmp_path / f"model.data-{i:05d}-of-{count:05d}", size)
+    assert count * size > TOTAL_LIMIT
+    _refused_within_budget(prefix, f"1100 tensors of {count * size} bytes in all \\(across 1100 data files\\), "
+                                   "over the 1024 MiB a checkpoint may hold; nothing was read")
+
+
+def test_entries_that_all_read_the_same_bytes_count_against_the_budget(tmp_path):
+    # one 8 MiB shard, 130 entries that each declare all of it: 1040 MiB to read from 8 on disk
+    size = 8 << 20
+    entries = [(f"w{i:03d}".encode(), _entry([size // 4], size)) for i in range(130)]
+    prefix = _write(tmp_path, entries, data=b"")
+    _sparse(tmp_path / "model.data-00000-of-00001", size)
+    _refused_within_budget(prefix, "130 tensors of 1090519040 bytes in all \\(across 1 data files\\)")

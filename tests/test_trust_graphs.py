@@ -148,7 +148,7 @@ def test_a_hostile_op_in_a_candidate_saved_model_fails_verify_and_never_runs(exp
     import json
     import shutil
 
-    from test_cli import cli
+    from helpers import cli
 
     _, out = exports("cartpole_mlp")
     candidate, victim = tmp_path / "evil", tmp_path / "pwned"
@@ -212,7 +212,7 @@ def test_convert_prunes_a_hostile_op_in_the_unused_training_graph_and_refuses_it
     from tensorflow.core.framework import node_def_pb2
     from tensorflow.core.protobuf import saved_model_pb2
 
-    from test_cli import cli
+    from helpers import cli
 
     victim = tmp_path / "pwned"
     for case in ("unused", "serving"):
@@ -269,7 +269,7 @@ def test_a_real_dataset_graph_payload_writes_under_tensorflow_and_never_under_ve
     import subprocess
     import sys
 
-    from test_cli import cli
+    from helpers import cli
 
     _, out = exports("cartpole_mlp")
     candidate, victim = tmp_path / "evil", tmp_path / "pwned"

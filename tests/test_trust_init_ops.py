@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES_DIR, ROOT, splice_endless_init
-from test_cli import cli
-from test_hardening import one_line_error, snapshot
+from conftest import FIXTURES_DIR, ROOT, default_signals, splice_endless_init
+from helpers import cli
+from helpers import one_line_error, snapshot
 
 LEGACY = FIXTURES_DIR / "rllib" / "legacy" / "cartpole_ff" / "saved_model"
 KERAS = FIXTURES_DIR / "rllib" / "keras" / "cartpole_ff" / "model"
@@ -90,7 +90,8 @@ _READY_THEN_CLI = ("import sys, tensorflow, policy_export.exporter.sources.legac
 def test_a_signal_stops_convert_inside_an_endless_init(tmp_path):
     model = _endless_copy(LEGACY, tmp_path / "model")
     proc = subprocess.Popen([sys.executable, "-c", _READY_THEN_CLI, "convert", str(model), "--out", str(tmp_path / "o")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
     line = proc.stderr.readline()
     while line not in ("ready\n", ""):  # TensorFlow's import chatter
         line = proc.stderr.readline()

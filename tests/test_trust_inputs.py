@@ -7,7 +7,6 @@ tool's own files changed (a snapshot of the test directory before and after).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -17,10 +16,10 @@ import pytest
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import formats, manifest
-from policy_export.policy import SpecError, TFPolicy, WeightsError, load_spec
+from policy_export.policy import TFPolicy, WeightsError, load_spec
 from policy_export.policy.jsonio import JSONError, loads
-from test_cli import cli
-from test_hardening import one_line_error, snapshot
+from helpers import cli
+from helpers import one_line_error, snapshot
 
 SPEC = FIXTURES_DIR / "cartpole_mlp"
 

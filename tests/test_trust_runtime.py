@@ -16,9 +16,9 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper
 
-from conftest import FIXTURES_DIR  # noqa: F401  (the fixtures' home, for the exports fixture)
-from test_cli import cli
-from test_hardening import one_line_error, snapshot
+from conftest import FIXTURES_DIR, default_signals  # noqa: F401  (the fixtures' home, for the exports fixture)
+from helpers import cli
+from helpers import one_line_error, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 INT64_MAX = 2**63 - 1
@@ -190,7 +190,8 @@ def test_a_bad_run_timeout_is_exit_2_before_anything_runs(export, tmp_path):
 def test_a_signal_stops_verify_inside_an_endless_onnx_loop(export, tmp_path, sig):
     path = loop_model(export, tmp_path / "loop.onnx")
     proc = subprocess.Popen([sys.executable, "-m", "policy_export", "verify", str(export), "--candidate", f"onnx={path}"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()

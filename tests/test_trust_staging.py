@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, default_signals
 from policy_export.exporter.staging import check_target, lock_path, staged_directory
 from policy_export.policy import ExportError
-from test_hardening import snapshot
+from helpers import snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--formats", "saved_model", "--samples", "8", "--explore-samples", "0", "-q"]
@@ -324,7 +324,8 @@ def test_a_signal_is_never_lost_swallowed_repeated_or_after_the_rename(tmp_path,
     base = tmp_path / "runs"
     base.mkdir()
     proc = subprocess.run([sys.executable, str(script), str(FIXTURES_DIR / "cartpole_mlp"), str(small_export),
-                           str(base), *cases], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           str(base), *cases], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          preexec_fn=default_signals)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["case"]: r for r in json.loads(proc.stdout)}
     names = {"TERM": "SIGTERM", "INT": "SIGINT", "HUP": "SIGHUP"}
@@ -354,7 +355,7 @@ def test_sigterm_at_a_random_time_leaves_the_old_export_or_a_complete_new_one(tm
     proc = subprocess.Popen([sys.executable, "-m", "policy_export", "export", str(FIXTURES_DIR / "cartpole_mlp"),
                              "--out", str(out), "--overwrite", "--formats", "saved_model,onnx", "--samples", "8",
                              "--explore-samples", "0", "-q"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     time.sleep(random.Random(run).uniform(0.5, 6.0))
     proc.send_signal(signal.SIGTERM if run % 2 else signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)

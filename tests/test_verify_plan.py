@@ -8,13 +8,13 @@ checks can catch them.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import copy_of, verify_cli
 from conftest import FIXTURES, FIXTURES_DIR
 
 onnx = pytest.importorskip("onnx")
@@ -28,22 +28,6 @@ def resign(export: Path) -> None:
     doc = manifest.read_manifest(export)
     doc["files"] = manifest.file_records(export)
     manifest.write_manifest(export, doc)
-
-
-def copy_of(exports, name: str, tmp_path: Path) -> Path:
-    _, out = exports(name)
-    copy = tmp_path / name
-    shutil.copytree(out, copy)
-    return copy
-
-
-def verify_cli(*args: str, tmp_path: Path) -> tuple[int, dict]:
-    """``policy-export verify`` in process; returns the exit code and the JSON report."""
-    from policy_export.exporter.cli import main
-
-    report = tmp_path / f"report-{len(list(tmp_path.glob('report-*.json')))}.json"
-    code = main(["verify", *args, "--device", "cpu", "--report-json", str(report)])
-    return code, (json.loads(report.read_text()) if report.exists() else {})
 
 
 def records(report: dict, fmt: str) -> list[dict]:

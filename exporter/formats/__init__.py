@@ -5,8 +5,11 @@ path it writes inside an export, its capabilities, ``write(ctx, target)`` and
 ``open(path, manifest, device) -> Runner``. Export, verify, candidates, rollouts and localisation
 ask the registry and the capabilities; none of them names a format. A new format is a new module
 here; a format with more than one file is a sub-package (``onnx/``: writer, conversion, runner
-and compressed models; ``tflite/``; ``keras/``), and its variants import it (``onnx_int8``). Importing this package is light: the modules import TensorFlow or ONNX only when they write
-or open a model.
+and compressed models; ``tflite/``; ``keras/``). A family is one folder: its variants are modules
+of the family's package, each with a ``FORMAT`` of its own, listed in the package's ``VARIANTS``
+(``onnx/int8.py``, ``onnx/fp16.py``, ``onnx/explore.py``, ``onnx/deterministic.py``,
+``tflite/int8.py``, ``openvino/bf16.py``). Importing this package is light: the modules import
+TensorFlow or ONNX only when they write or open a model.
 
     from policy_export.exporter import formats
     formats.names()            # every format, in export order
@@ -37,9 +40,9 @@ def _registry() -> dict[str, Format]:
             if info.name in _SHARED:
                 continue
             module = importlib.import_module(f"{__name__}.{info.name}")
-            fmt = getattr(module, "FORMAT", None)
-            if isinstance(fmt, Format):
-                found.append(fmt)
+            members = [module] + [importlib.import_module(f"{module.__name__}.{variant}")
+                                  for variant in getattr(module, "VARIANTS", ())]
+            found += [m.FORMAT for m in members if isinstance(getattr(m, "FORMAT", None), Format)]
         found.sort(key=lambda f: (f.order, f.name))
         _REGISTRY = {f.name: f for f in found}
     return _REGISTRY

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policy_export.errors import InputError
+from policy_export.exporter.declared import Option
 from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OPSET
 from policy_export.exporter.devices import DevicePlan
 
@@ -43,6 +44,16 @@ class Capabilities:
     lossy: bool = False
 
 
+# the options of the formats that put the policy on a model server (triton, tf_serving): declared
+# once here, each such format lists them; the values reach the writer through ExportContext (and
+# ExportOptions checks them: a legal model name, a version of 1 or more)
+SERVED_MODEL_OPTIONS = (
+    Option("model_name", "the model's name on a model server (default: the policy's name, with other characters "
+           "than letters, digits, _ . - made _)", None, metavar="NAME"),
+    Option("model_version", "the model version directory of the layout (default 1)", 1, type=int, metavar="N"),
+)
+
+
 class Format:
     """One export format. Subclasses set ``name``, ``path``, ``order``, ``capabilities`` and
     implement :meth:`write` and :meth:`open`; the rest has defaults that suit most formats."""
@@ -58,6 +69,10 @@ class Format:
     # the modules writing or running the format imports, and the extra that installs them
     requires: tuple[str, ...] = ()
     extra: str | None = None
+    # the options the format owns (declared once; several formats may share one declaration):
+    # ``export --help`` lists them in a group of their owners, and giving one with none of its
+    # owners chosen is refused
+    options: tuple[Option, ...] = ()
 
     def check_installed(self) -> None:
         """Raises InputError naming the extra when a module the format needs is not installed."""
@@ -100,6 +115,13 @@ class Format:
         ok = path.is_dir() if self.is_directory else path.is_file()
         if not ok:
             raise InputError(f"candidate {self.name}={path}: no such {kind}")
+
+    def check_model(self, path: Path) -> None:
+        """Check a model file of this format before anything but this format's own runner parses it
+        (localisation reads ONNX models itself). Default: nothing to check.
+
+        Raises:
+            ExportError (or a subclass): the file is refused."""
 
     # ``inspect`` and ``diff`` on this format's own files (outside an export): ``inspect_order``
     # None means they do not read it alone; a ``serving_layout`` is also found one directory down

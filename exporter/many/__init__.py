@@ -17,10 +17,12 @@ from typing import Any
 from policy_export.errors import InputError
 from policy_export.exporter.many import report
 from policy_export.exporter.many.jobs import Job, expand, is_current, verify_jobs
-from policy_export.exporter.many.work import skipped
+from policy_export.exporter.many.work import refused, skipped
 from policy_export.exporter.options import check_count
 
-__all__ = ["ManyResult", "export_many", "verify_many"]
+__all__ = ["ManyResult", "export_many", "verify_many", "DEFAULT_POLICY_TIMEOUT"]
+
+DEFAULT_POLICY_TIMEOUT = 1800.0  # seconds of wall-clock time one policy's process may take
 
 
 @dataclass
@@ -96,30 +98,53 @@ class Progress:
                 f"{time.perf_counter() - self.start:.0f} s, ETA {self.eta()}")
 
 
-def _check_run(jobs: int | None, memory_mb: float | None) -> None:
-    """How many policies run at once and the memory each may take, checked before anything runs.
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_run(jobs: int | None, memory_mb: float | None, policy_timeout: float | None = None) -> None:
+    """How many policies run at once, the memory and the time each may take, checked before anything runs.
 
     Raises:
-        InputError: ``jobs`` is not a whole number of at least 1, or ``memory_mb`` not a size above 0.
+        InputError: ``jobs`` is not a whole number of at least 1, ``memory_mb`` not a size above 0,
+            or ``policy_timeout`` not a number of seconds above 0.
     """
     if jobs is not None:
         check_count("jobs", jobs, 1)
-    if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, (int, float))
-                                  or not (math.isfinite(memory_mb) and memory_mb > 0)):
-        raise InputError(f"memory_mb (--memory-mb) must be a number of MiB above 0, got {memory_mb!r}")
+    if memory_mb is not None and not _positive(memory_mb):
+        raise InputError(f"memory_mb (--memory-mb) must be a number of MiB above 0, got {memory_mb!r:.40}")
+    if policy_timeout is not None and not _positive(policy_timeout):
+        raise InputError(f"policy_timeout must be a number of seconds above 0, got {policy_timeout!r:.40}")
 
 
-def _executor(jobs: int | None, ray: str | None, memory_mb: float | None, preload: bool, log_dir: Path):
-    if ray:
+def _check_root(root: Path, what: str) -> None:
+    """``root`` is a directory, or a path where one can be made: never an existing file.
+
+    Raises:
+        InputError: ``root`` (or a directory above it) exists and is not a directory.
+    """
+    for path in (root, *root.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                where = "" if path == root else f" ({path} is not a directory)"
+                raise InputError(f"{what} {root}: exists and is not a directory{where}")
+            return
+
+
+def _executor(opts: Mapping[str, Any], log_dir: Path):
+    """The pool that runs the jobs: Ray's where ``opts["ray"]`` names a cluster, else the local one."""
+    timeout = opts.get("policy_timeout") or DEFAULT_POLICY_TIMEOUT
+    if opts.get("ray"):
         from policy_export.exporter.compat import require
 
         require(("ray",), "ray", "export-many/verify-many --ray")
         from policy_export.exporter.many.ray_pool import RayPool
 
-        return RayPool(ray, memory_mb=memory_mb)
+        return RayPool(opts["ray"], memory_mb=opts.get("memory_mb"), timeout=timeout)
     from policy_export.exporter.many.local import LocalPool
 
-    return LocalPool(jobs or os.cpu_count() or 1, memory_mb=memory_mb, preload=preload, log_dir=str(log_dir))
+    return LocalPool(opts.get("jobs") or os.cpu_count() or 1, memory_mb=opts.get("memory_mb"),
+                     preload=opts.get("preload", True), log_dir=str(log_dir), timeout=timeout)
 
 
 def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping[str, dict], opts: Mapping[str, Any],
@@ -128,19 +153,20 @@ def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping
     start = time.perf_counter()
     from policy_export.exporter.many.jobs import STATE_DIR
 
-    pool = _executor(opts.get("jobs"), opts.get("ray"), opts.get("memory_mb"), opts.get("preload", True),
-                     root / STATE_DIR / "logs")
+    runnable = [j for j in todo if not j.refused]
+    pool = _executor(opts, root / STATE_DIR / "logs") if runnable else None
     progress = Progress(len(all_jobs), getattr(pool, "jobs", 1), write, opts.get("status"))
     results = dict(done)
-    for result in done.values():
+    for result in [*done.values(), *(refused(j) for j in todo if j.refused)]:
+        results[result["name"]] = result
         progress.finished(result)
 
     def finished(result: dict) -> None:
         results[result["name"]] = result
         progress.finished(result)
 
-    if todo:
-        pool.run(todo, progress.started, finished)
+    if pool is not None:
+        pool.run(runnable, progress.started, finished)
     ordered = [results[j.name] for j in all_jobs if j.name in results]
     return ManyResult(root, ordered, time.perf_counter() - start, getattr(pool, "describe", lambda: {})())
 
@@ -153,22 +179,31 @@ def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | 
     time (default: the number of cores) or as Ray tasks (``ray``: ``"auto"`` or a cluster address).
     ``options`` are the single commands' (``formats``, ``samples``...); a league entry's own win.
     A policy whose export is current is skipped unless ``force``. ``memory_mb`` caps each policy's
-    process. ``progress`` receives one line per event (default: stderr); ``status``, where given,
-    the counts after each (done, running, failed, the ETA), e.g. for a live display. ``preload=False`` starts
-    each local process from scratch instead of forking it from a process that imported the runtimes.
+    process; ``policy_timeout=`` (a keyword) is the wall-clock time each may take (default
+    :data:`DEFAULT_POLICY_TIMEOUT` seconds), after which it is killed and its policy fails. The
+    driver reads the sources' names only (never a checkpoint's state: see :mod:`.jobs`); every
+    policy's files are read in its own process, under those caps. ``progress`` receives one line
+    per event (default: stderr); ``status``, where given, the counts after each (done, running,
+    failed, the ETA), e.g. for a live display. ``preload=False`` starts each local process from
+    scratch instead of forking it from a process that imported the runtimes.
 
     Raises:
-        InputError: a bad source, league file or option (before anything runs).
+        InputError: a bad source, league file or option, or ``root`` an existing file (before anything runs).
     """
-    _check_run(jobs, memory_mb)
     preload, status = options.pop("preload", True), options.pop("status", None)
+    policy_timeout = options.pop("policy_timeout", None)
+    _check_run(jobs, memory_mb, policy_timeout)
     root = Path(root).absolute()
+    _check_root(root, "export-many's ROOT (--out)")
     all_jobs = expand(sources, root, options)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"export-many's ROOT (--out) {root}: cannot be made: {e.strerror or e}") from None
     done = {} if force else {j.name: skipped(j) for j in all_jobs if is_current(j)}
     todo = [j for j in all_jobs if j.name not in done]
     return _run(all_jobs, root, todo, done, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
-                                                 status=status), progress)
+                                                 status=status, policy_timeout=policy_timeout), progress)
 
 
 def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = None, memory_mb: float | None = None,
@@ -176,9 +211,15 @@ def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = 
                 status: Callable[[str], None] | None = None, **options: Any) -> ManyResult:
     """Verify every export under ``root`` (``root/<name>/manifest.json``), each in a process of its
     own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...); the rest as
-    for :func:`export_many`."""
-    _check_run(jobs, memory_mb)
+    for :func:`export_many` (``policy_timeout=`` too). The driver only lists ``root``; each export
+    is read by its own process.
+
+    Raises:
+        InputError: ``root`` is not a directory or holds no export, or a bad option (before anything runs).
+    """
+    policy_timeout = options.pop("policy_timeout", None)
+    _check_run(jobs, memory_mb, policy_timeout)
     root = Path(root).absolute()
     all_jobs = verify_jobs(root, options)
     return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
-                                                   status=status), progress)
+                                                   status=status, policy_timeout=policy_timeout), progress)

@@ -4,8 +4,9 @@ Processes are forked from a fork server that imported TensorFlow, ONNX Runtime a
 (:mod:`.preload`), so a policy's process starts with the imports paid but with nothing else of
 another policy's: it is a new process per policy (no TensorFlow graph, session, memory or thread
 pool is shared), and it exits when its policy is done. With ``preload=False`` each process is
-spawned from scratch and imports everything itself. A process over the memory cap is killed and
-its policy fails; a process that dies otherwise is retried once in a new process.
+spawned from scratch and imports everything itself. A process over the memory cap, or still
+running past the time limit per policy, is killed and its policy fails; a process that dies
+otherwise is retried once in a new process.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class LocalPool:
     """Runs jobs in fresh processes; ``on_start(job, attempt)`` and ``on_result(result)`` are called
     in the driver as they happen."""
 
-    def __init__(self, jobs: int, memory_mb: float | None = None, preload: bool = True, log_dir: str | None = None):
+    def __init__(self, jobs: int, memory_mb: float | None = None, preload: bool = True, log_dir: str | None = None,
+                 timeout: float | None = None):
         self.jobs = max(1, int(jobs))
-        self.memory_mb = memory_mb
+        self.memory_mb, self.timeout = memory_mb, timeout
         self.log_dir = log_dir
         if preload:
             self.ctx = multiprocessing.get_context("forkserver")
@@ -104,6 +106,20 @@ class LocalPool:
         send.close()
         return _Running(job, process, receive, time.perf_counter(), attempt)
 
+    def _check_caps(self, item: _Running) -> None:
+        """Kill the running process of ``item`` if it is over the memory cap or past the time limit."""
+        used = rss_mb(item.process.pid)
+        item.peak = max(item.peak, used or 0.0)
+        if item.killed:
+            return
+        elapsed = time.perf_counter() - item.started
+        if self.memory_mb and used and used > self.memory_mb:
+            item.killed = f"killed at {used:.0f} MiB: over the memory cap of {self.memory_mb:g} MiB"
+        elif self.timeout and elapsed > self.timeout:
+            item.killed = f"killed after {elapsed:.0f} s: over the time limit of {self.timeout:g} s per policy"
+        if item.killed:
+            item.process.kill()
+
     def _poll(self, item: _Running):
         """``None`` while it runs; its result; or ``"retry"``."""
         if item.result is None and item.conn.poll():
@@ -112,11 +128,7 @@ class LocalPool:
             except (EOFError, OSError):
                 pass
         if item.process.is_alive():
-            used = rss_mb(item.process.pid)
-            item.peak = max(item.peak, used or 0.0)
-            if self.memory_mb and used and used > self.memory_mb and not item.killed:
-                item.killed = f"killed at {used:.0f} MiB: over the memory cap of {self.memory_mb:g} MiB"
-                item.process.kill()
+            self._check_caps(item)
             return None
         item.process.join()
         item.conn.close()

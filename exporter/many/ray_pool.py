@@ -9,6 +9,10 @@ submitted again, up to ``retries`` more times, each time in a new process; its r
 that still dies after its retries becomes an ``error`` result naming why; one policy never stops
 the others. Ctrl-C in the driver cancels every task still pending or running.
 
+The time limit per policy is kept by the worker process itself: a real-time timer whose signal
+(``SIGALRM``, its default action) ends the process at the limit, whatever it is doing, in Python
+or in C. Its death past the limit is the policy's failure ("over the time limit"), never retried.
+
 Where the exports go: each worker writes ``ROOT/<name>/`` (and the record that makes a rerun skip
 it, ``ROOT/.policy-export-many/``) itself, on the node that runs it. Supported are a single
 machine (a local Ray cluster), or a cluster whose nodes all see ROOT and the sources at the same
@@ -28,7 +32,9 @@ The driver imports Ray and the package's light modules only, never TensorFlow. W
 from __future__ import annotations
 
 import logging
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +43,7 @@ import ray
 
 from policy_export.errors import InputError
 from policy_export.exporter.many.jobs import Job
-from policy_export.exporter.many.work import ERROR
+from policy_export.exporter.many.work import ERROR, FAILED
 
 TASK_NAME = "policy_export_job"  # the task's process title while it runs is ray::policy_export_job
 WAIT = 1.0  # seconds per wait for a finished task (Ctrl-C is seen between waits)
@@ -46,13 +52,25 @@ START_HINT = ("start one with `ray start --head` (on this machine: `ray start --
               "or give its address with --ray HOST:PORT (or RAY_ADDRESS)")
 
 
-def policy_export_job(job_json: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - runs in a Ray worker
-    """One policy, in the Ray worker process: its libraries imported quietly, then the job run."""
+def _end_at(seconds: float | None) -> None:
+    """End this process ``seconds`` from now, by the kernel (``SIGALRM``'s default action); ``None``: never."""
+    if seconds and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, seconds or 0)
+
+
+def policy_export_job(job_json: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:  # pragma: no cover
+    """One policy, in the Ray worker process: its libraries imported quietly, then the job run; the
+    process ends at ``timeout`` seconds (:func:`_end_at`), as the local pool kills its process."""
     from policy_export.exporter.many.work import run_job
     from policy_export.exporter.quiet import quiet_libraries
 
-    quiet_libraries()
-    result = run_job(job_json)
+    _end_at(timeout)
+    try:
+        quiet_libraries()
+        result = run_job(job_json)
+    finally:
+        _end_at(None)
     result["host"] = socket.gethostname()
     result["node_id"] = ray.get_runtime_context().get_node_id()
     return result
@@ -121,10 +139,12 @@ class RayPool:
         InputError: no Ray cluster runs at ``address``, or a bad ``cpus``/``retries``.
     """
 
-    def __init__(self, address: str, memory_mb: float | None = None, cpus: float = 1, retries: int = 3):
+    def __init__(self, address: str, memory_mb: float | None = None, cpus: float = 1, retries: int = 3,
+                 timeout: float | None = None):
         if cpus <= 0 or retries < 0:
             raise InputError(f"Ray tasks need cpus > 0 and retries >= 0 (got {cpus}, {retries})")
         self.address, self.cpus, self.memory_mb, self.retries = address or "auto", cpus, memory_mb, retries
+        self.timeout = timeout
         self.owned = connect(self.address)
         try:
             self.gcs_address = ray.get_runtime_context().gcs_address
@@ -150,7 +170,8 @@ class RayPool:
                 "gcs_address": self.gcs_address, "nodes": self.nodes,
                 "cluster": {"cpus": self.resources.get("CPU", 0.0), "gpus": self.resources.get("GPU", 0.0),
                             "memory_mb": round(memory / 2**20) if memory else None},
-                "task": {"num_cpus": self.cpus, "memory_mb": self.memory_mb, "max_calls": 1},
+                "task": {"num_cpus": self.cpus, "memory_mb": self.memory_mb, "max_calls": 1,
+                         "timeout_s": self.timeout},
                 "retries": self.retries, "parallel": self.jobs}
 
     def run(self, jobs: Sequence[Job], on_start: Callable, on_result: Callable) -> None:
@@ -176,28 +197,36 @@ class RayPool:
             self.close()
 
     def _submit(self, pending: dict, job: Job, attempt: int, on_start: Callable) -> None:
-        pending[self.task.remote(job.to_json())] = (job, attempt, time.perf_counter())
+        pending[self.task.remote(job.to_json(), self.timeout)] = (job, attempt, time.perf_counter())
         on_start(job, attempt)
 
     def _collect(self, ref, job: Job, attempt: int, started: float) -> dict[str, Any] | None:
         """The task's result, an error result, or ``None`` to submit it again."""
         try:
             result = ray.get(ref)
-        except SYSTEM_ERRORS as e:
-            if attempt <= self.retries:
-                return None
-            return _error_result(job, f"the policy's Ray worker died {attempt} time(s), the last: {_first_line(e)}",
-                                 started, attempt)
         except ray.exceptions.TaskCancelledError as e:
             return _error_result(job, f"the policy's Ray task was cancelled: {_first_line(e)}", started, attempt)
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None) or e
             return _error_result(job, f"the policy's Ray task raised {_first_line(cause)}", started, attempt)
         except ray.exceptions.RayError as e:
-            if attempt <= self.retries:
-                return None
-            return _error_result(job, f"Ray could not run the policy's task: {_first_line(e)}", started, attempt)
+            return self._died(e, job, attempt, started)
         return {**result, "attempts": attempt}
+
+    def _died(self, error: BaseException, job: Job, attempt: int, started: float) -> dict[str, Any] | None:
+        """A task whose worker died: failed past the time limit (its own timer ended it), else ``None``
+        to submit it again, or an error result after the retries."""
+        elapsed = time.perf_counter() - started
+        if self.timeout and elapsed >= self.timeout:  # the task cannot have started before its submission
+            return {**_error_result(job, f"killed after {elapsed:.0f} s: over the time limit of {self.timeout:g} s "
+                                         "per policy", started, attempt), "status": FAILED}
+        if attempt <= self.retries:
+            return None
+        if isinstance(error, SYSTEM_ERRORS):
+            why = f"the policy's Ray worker died {attempt} time(s), the last: {_first_line(error)}"
+        else:
+            why = f"Ray could not run the policy's task: {_first_line(error)}"
+        return _error_result(job, why, started, attempt)
 
     def close(self) -> None:
         """Disconnect from the cluster if this pool connected (the cluster keeps running)."""

@@ -22,18 +22,16 @@ def _max_error(report) -> float | None:
 
 
 def _run_export(job: Job):
-    from policy_export.exporter.api import export_spec
-    from policy_export.exporter.convert import convert_checkpoint, convert_saved_model
+    """Export one job's policy through the one pipeline (its source found again, as the driver named it)."""
+    from policy_export.exporter import pipeline
 
-    options = dict(job.options)
-    options.setdefault("overwrite", True)
-    if job.kind == "spec":
-        options.pop("use_filter", None), options.pop("actions", None)
-        return export_spec(job.source, job.out, **options)
-    if job.kind == "checkpoint":
-        return convert_checkpoint(job.source, job.out, policy_id=job.policy_id, **options)
-    options.pop("use_filter", None), options.pop("actions", None)
-    return convert_saved_model(job.source, job.out, **options)
+    own, rest = pipeline.split_options(job.options)
+    rest.setdefault("overwrite", True)
+    if job.policy_id is not None:
+        own["policy_id"] = job.policy_id
+    opened = pipeline.open_source(job.source, own, allowed=(job.kind,))
+    (result,) = pipeline.export_source(opened, job.out, **rest).values()
+    return result
 
 
 def _outcome(job: Job) -> dict[str, Any]:
@@ -83,3 +81,9 @@ def skipped(job: Job) -> dict[str, Any]:
     """The result of a job whose export is current."""
     return {"name": job.name, "kind": job.kind, "status": SKIPPED, "seconds": 0.0, "peak_rss_mb": None,
             "max_error": None, "failures": [], "note": f"current: made from the same source and options ({Path(job.out)})"}
+
+
+def refused(job: Job) -> dict[str, Any]:
+    """The result of a job whose source the driver refused (:attr:`Job.refused`): failed, never run."""
+    return {"name": job.name, "kind": job.kind, "status": FAILED, "seconds": 0.0, "peak_rss_mb": None,
+            "max_error": None, "failures": [f"refused before running: {job.refused}"[:600]]}

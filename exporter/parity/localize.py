@@ -82,13 +82,13 @@ def localize(frozen_graph: Path, onnx_path: Path, input_names: Mapping[str, str]
     import onnx
     import tensorflow as tf
 
-    from policy_export.exporter.formats.onnx.model import check_file
+    from policy_export.exporter import formats
     from policy_export.exporter.trust import check_graph_def, read_graph_def
 
     tf1 = tf.compat.v1
     graph_def = read_graph_def(frozen_graph)
     check_graph_def(graph_def, str(frozen_graph))
-    check_file(Path(onnx_path))
+    formats.get(format_name).check_model(Path(onnx_path))
     model = onnx.load(str(onnx_path))
     feeds = {k: np.asarray(v)[:MAX_ROWS] for k, v in feeds.items()}
 

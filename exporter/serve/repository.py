@@ -5,6 +5,15 @@ included: the binary PyTriton's wheel ships, which has the Python backend only, 
 backend does. Everything else (names, data types, dims, reshapes, optional inputs, the dynamic
 batcher, the sequence batcher with its ``START`` control and state) is the written config.
 
+The server is given the models the export's manifest says the triton format wrote and nothing
+else (:func:`expected_repository`): the batched model and its ``_explore`` sibling, their one
+version, their ``config.pbtxt`` and ``model.onnx`` (and its external data); any other entry of
+``triton/`` (a ``model.py``, a dot folder, another model or version) is refused by name before a
+server starts. The server loads those models by name (``--model-control-mode=explicit``) with no
+auto-completed config (``--disable-auto-complete-config``), its management APIs (model loading,
+shared memory, logging, tracing, statistics) closed behind a random key, and each config must
+name its folder's model and select the one version written.
+
 What a stand-in cannot show, and stays checked by schema and load rules alone
 (:mod:`exporter.formats.triton`): the ONNX Runtime backend's own checks of the config against the
 model, and its implicit state (the Python backend does not carry state, so the stand-in keeps it
@@ -17,28 +26,33 @@ import contextlib
 import itertools
 import os
 import re
+import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from policy_export.errors import ExportError, InputError
+from policy_export.errors import ExportError, InputError, PolicyExportError
 from policy_export.exporter.formats.base import Capabilities, Format
 from policy_export.exporter.formats.runner import Runner, TensorMeta
+from policy_export.exporter.formats.triton.repository import CONFIG, EXPLORE_SUFFIX, MODEL_FILE
+from policy_export.exporter.serve import workspace
 from policy_export.exporter.serve.client import PROTOCOLS, WIRE_TYPES, client_module
-from policy_export.exporter.serve.server import HOST, INSTALL_HINT, free_port
+from policy_export.exporter.serve.server import HOST, INSTALL_HINT, RESTRICTED_APIS, free_port
 from policy_export.signatures.contract import Contract
 from policy_export.signatures.keys import SEQ_LENS, is_state_out, state_in_key, state_out_key
 
 BACKEND = re.compile(r'^backend:\s*"onnxruntime"\s*$', re.M)
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 READY_TIMEOUT_S = 120.0
 
 
@@ -71,9 +85,10 @@ ALLOWED_FIELDS = {
 }
 
 
-def check_written_config(text: str, where: str) -> None:
+def check_written_config(text: str, where: str):
     """Raises InputError unless ``text`` parses with Triton's own ``ModelConfig`` schema, names the
-    ONNX Runtime backend and holds only fields of :data:`ALLOWED_FIELDS` (what this package writes)."""
+    ONNX Runtime backend and holds only fields of :data:`ALLOWED_FIELDS` (what this package writes);
+    returns the parsed ``ModelConfig``."""
     from google.protobuf import text_format
 
     try:
@@ -86,7 +101,8 @@ def check_written_config(text: str, where: str) -> None:
     except text_format.ParseError as e:
         raise InputError(f"{where}: not a Triton model config: {str(e)[:300]}") from None
     if config.backend != "onnxruntime":
-        raise InputError(f"{where}: backend {config.backend!r}; the repositories this package writes name onnxruntime")
+        raise InputError(f"{where}: backend {config.backend[:80]!r}; the repositories this package writes name "
+                         "onnxruntime")
 
     def walk(message, path: str) -> None:
         kind = message.DESCRIPTOR.name
@@ -99,58 +115,162 @@ def check_written_config(text: str, where: str) -> None:
                     walk(item, f"{path}{field.name}.")
 
     walk(config, "")
+    return config
 
 
-def stand_in_repository(repository: Path, target: Path) -> list[str]:
-    """Copy ``repository`` (an export's ``triton/``) to ``target`` with every model on the Python
-    backend and the stand-in beside each ``model.onnx``; returns the model names.
+@dataclass(frozen=True)
+class ExpectedRepository:
+    """What an export's manifest says its triton format wrote: the models (name -> ``max_batch_size``),
+    the one version each holds, and every file (relative to ``triton/``)."""
+
+    models: Mapping[str, int]
+    version: int
+    files: frozenset[str]
+
+
+def _refuse(what: str) -> InputError:
+    return InputError(f"{what}; the triton repository is not loaded")
+
+
+def expected_repository(info: Any) -> ExpectedRepository:
+    """The repository the manifest's ``triton`` record describes, as the triton format writes it:
+    the batched model ``NAME`` and, where the policy samples, ``NAME_explore`` (nothing else), each
+    ``NAME/config.pbtxt`` and ``NAME/VERSION/model.onnx`` (and its ``model.onnx.data``, where listed).
 
     Raises:
-        InputError: a link, or a config that is not one this package writes (:func:`check_written_config`).
+        InputError: a record naming another model, version or file.
+    """
+    models = info.get("models") if isinstance(info, Mapping) else None
+    version = info.get("version", 1) if isinstance(info, Mapping) else None
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 < version < 2 ** 63:
+        raise _refuse(f"the manifest's model version {str(version)[:40]!r} is not a version number")
+    if not isinstance(models, Mapping) or not models or not all(isinstance(r, Mapping) for r in models.values()):
+        raise _refuse("the manifest's triton record lists no models")
+    sizes = {str(n): r.get("max_batch_size") for n, r in models.items()}
+    batched = [n for n, b in sizes.items() if isinstance(b, int) and not isinstance(b, bool) and b > 0]
+    if len(batched) != 1 or not MODEL_NAME.fullmatch(batched[0]):
+        names = ", ".join(repr(n[:130]) for n in batched[:3])
+        raise _refuse(f"the manifest's triton record names {len(batched)} batched models ({names}); the triton "
+                      "format writes one, with a legal model name")
+    allowed = {batched[0]: sizes[batched[0]], batched[0] + EXPLORE_SUFFIX: 0}
+    files = set()
+    for name, record in models.items():
+        if name not in allowed or sizes[name] != allowed[name]:
+            raise _refuse(f"model {str(name)[:130]!r} is not one the triton format writes ({batched[0]!r}, "
+                          f"and {batched[0] + EXPLORE_SUFFIX!r} not batched)")
+        paths = {"config": f"{name}/{CONFIG}", "model": f"{name}/{version}/{MODEL_FILE}"}
+        if any(record.get(k) != v for k, v in paths.items()):
+            raise _refuse(f"model {name!r}: the manifest records other files than {', '.join(paths.values())}")
+        files |= set(paths.values())
+    listed = info.get("files")
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        raise _refuse("the manifest's triton record has no file list")
+    data = {f"{n}/{version}/{MODEL_FILE}.data" for n in models}
+    for path in listed:
+        rel = path[len("triton/"):] if path.startswith("triton/") else None
+        if rel not in files | data:
+            raise _refuse(f"{path[:200]} is listed for the triton format, but is not a file it writes")
+    missing = files - {p[len("triton/"):] for p in listed if p.startswith("triton/")}
+    if missing:
+        raise _refuse(f"triton/{sorted(missing)[0]} is not listed in the manifest")
+    files |= {p[len("triton/"):] for p in listed if p[len("triton/"):] in data}
+    return ExpectedRepository({n: allowed[n] for n in models}, version, frozenset(files))
+
+
+def _scan(repository: Path, expected: ExpectedRepository) -> None:
+    """Raises InputError naming the first entry of ``repository`` (not following links) that is not
+    one of ``expected``'s files or their folders, or is not a regular file or folder."""
+    folders = {str(Path(f).parent) for f in expected.files} | set(expected.models)
+    for dirpath, dirnames, filenames in os.walk(repository, followlinks=False):
+        for entry in sorted(dirnames + filenames):
+            full = Path(dirpath) / entry
+            rel = full.relative_to(repository).as_posix()
+            mode = os.lstat(full).st_mode
+            if stat.S_ISDIR(mode) and rel in folders or stat.S_ISREG(mode) and rel in expected.files:
+                continue
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else ("a folder" if stat.S_ISDIR(mode) else "a file")
+            raise _refuse(f"triton/{rel[:200]} ({kind}) is not one the manifest records the triton format writing")
+
+
+def _check_identity(config, name: str, expected: ExpectedRepository, where: str) -> None:
+    """Raises InputError unless ``config`` names ``name``, batches as the manifest says, and its
+    version policy selects the one version written."""
+    policy = config.version_policy
+    versions = list(policy.specific.versions) if policy.WhichOneof("policy_choice") == "specific" else None
+    if config.name != name:
+        raise _refuse(f"{where}: names model {config.name[:130]!r}, not {name!r}")
+    if config.max_batch_size != expected.models[name]:
+        raise _refuse(f"{where}: max_batch_size {config.max_batch_size}, the manifest records "
+                      f"{expected.models[name]}")
+    if versions != [expected.version]:
+        raise _refuse(f"{where}: its version policy must select version {expected.version} alone, the one "
+                      "written")
+
+
+def stand_in_repository(repository: Path, target: Path, info: Mapping[str, Any]) -> list[str]:
+    """Build ``target`` from the files of ``repository`` (an export's ``triton/``) that its manifest
+    record ``info`` says the triton format wrote, and nothing else: every model on the Python
+    backend, the stand-in beside each ``model.onnx``; returns the model names.
+
+    Raises:
+        InputError: anything else in the repository or the record (:func:`expected_repository`), a
+            link, or a config that is not one this package writes (:func:`check_written_config`).
         ExportError: a config without the ONNX Runtime backend's line to replace.
     """
-    shutil.copytree(repository, target, symlinks=True)  # a link stays a link (and is refused below)
-    links = [p for p in target.rglob("*") if p.is_symlink()]
-    if links:
-        raise InputError(f"{repository}: {links[0].relative_to(target)} is a symbolic link; the repository is not loaded")
+    expected = expected_repository(info)
+    _scan(repository, expected)
+    for rel in sorted(expected.files):
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repository / rel, target / rel, follow_symlinks=False)
     source = Path(__file__).with_name("standin_model.py").read_text()
-    names = []
-    for config in sorted(target.glob("*/config.pbtxt")):
+    for name in expected.models:
+        config = target / name / CONFIG
         text = config.read_text()
-        check_written_config(text, f"{repository.name}/{config.parent.name}/config.pbtxt")
+        where = f"{repository.name}/{name}/{CONFIG}"
+        _check_identity(check_written_config(text, where), name, expected, where)
         if not BACKEND.search(text):
             raise ExportError(f"{config}: no 'backend: \"onnxruntime\"' line to stand in for")
         config.write_text(BACKEND.sub('backend: "python"', text))
-        for model in config.parent.glob("*/model.onnx"):
-            (model.parent / "model.py").write_text(source)
-        names.append(config.parent.name)
-    return names
+        (target / name / str(expected.version) / "model.py").write_text(source)
+    return list(expected.models)
 
 
 class RepositoryServer:
-    """``tritonserver`` on a stand-in copy of an export's ``triton/`` repository (a context manager)."""
+    """``tritonserver`` on a stand-in copy of an export's ``triton/`` repository (a context manager):
+    the models its manifest record ``info`` names, loaded by name (explicit model control, no
+    auto-completed config), the management APIs closed (a random key)."""
 
-    def __init__(self, repository: Path):
+    def __init__(self, repository: Path, info: Mapping[str, Any]):
         root = _pytriton_dir()
         self.binary = root / "tritonserver" / "bin" / "tritonserver"
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
         stub = root / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
         if not self.binary.is_file() or not stub.is_file():
             raise InputError(f"PyTriton's tritonserver or its Python {version} backend stub is missing; {INSTALL_HINT}")
-        self.work = Path(tempfile.mkdtemp(prefix="policy-export-triton-"))
+        self.work = workspace.make("policy-export-triton-")
         try:
             backend = self.work / "backends" / "python"
             shutil.copytree(root / "tritonserver" / "backends" / "python", backend,
                             ignore=shutil.ignore_patterns("__pycache__"))
             shutil.copy2(stub, backend / "triton_python_backend_stub")
-            self.models = stand_in_repository(repository, self.work / "models")
+            self.models = stand_in_repository(repository, self.work / "models", info)
         except BaseException:
-            shutil.rmtree(self.work, ignore_errors=True)
+            workspace.remove(self.work)
             raise
         self.libs = root.parent / "nvidia_pytriton.libs"
         self.ports = {"http": free_port(), "grpc": free_port()}
         self.log = self.work / "tritonserver.log"
         self.process: subprocess.Popen | None = None
+
+    def arguments(self) -> list[str]:
+        """The server's command line: only the expected models, loaded by name, their configs as written."""
+        key = f"{RESTRICTED_APIS}:policy-export-key={secrets.token_hex(16)}"
+        return [str(self.binary), f"--model-repository={self.work / 'models'}",
+                f"--backend-directory={self.work / 'backends'}", "--model-control-mode=explicit",
+                *(f"--load-model={m}" for m in self.models), "--disable-auto-complete-config",
+                f"--http-restricted-api={key}", f"--grpc-restricted-protocol={key}", f"--http-address={HOST}",
+                f"--http-port={self.ports['http']}", f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
+                "--allow-metrics=false", "--exit-timeout-secs=5", f"--log-file={self.log}"]
 
     def start(self) -> "RepositoryServer":
         """Start the server and wait until every model is ready.
@@ -162,12 +282,19 @@ class RepositoryServer:
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (sysconfig.get_config_var("LIBDIR"), str(self.libs),
                                                              env.get("LD_LIBRARY_PATH")) if p)
-        args = [str(self.binary), f"--model-repository={self.work / 'models'}",
-                f"--backend-directory={self.work / 'backends'}", f"--http-address={HOST}",
-                f"--http-port={self.ports['http']}", f"--grpc-address={HOST}", f"--grpc-port={self.ports['grpc']}",
-                "--allow-metrics=false", "--exit-timeout-secs=5", f"--log-file={self.log}"]
-        self.process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+        workspace.quiet_interrupts()
+        try:
+            self.process = subprocess.Popen(self.arguments(), env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=workspace.die_with_parent)
+            workspace.add_process(self.work, self.process.pid)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         client = client_module("http").InferenceServerClient(f"{HOST}:{self.ports['http']}")
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
@@ -176,12 +303,9 @@ class RepositoryServer:
                     raise ExportError(f"tritonserver refused the repository: {self.errors()}")
                 with contextlib.suppress(Exception):
                     if all(client.is_model_ready(m) for m in self.models):
-                        return self
+                        return
                 time.sleep(0.25)
             raise ExportError(f"tritonserver was not ready in {READY_TIMEOUT_S:.0f} s: {self.errors()}")
-        except BaseException:
-            self.stop()
-            raise
         finally:
             client.close()
 
@@ -196,20 +320,21 @@ class RepositoryServer:
         return " | ".join(line[:400] for line in errors[-4:])
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        """Stop the server (SIGINT, then SIGKILL to its process group) and remove its folder, also
+        when an interrupt arrives while it waits."""
+        try:
+            if self.process is not None and self.process.poll() is None:
+                self.process.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=30)
+        finally:
+            workspace.remove(self.work)  # SIGKILL to the process group (the backend's stubs), then the folder
             if self.process is not None:
-                os.killpg(self.process.pid, signal.SIGKILL)  # the backend's stubs, if any remain
-        shutil.rmtree(self.work, ignore_errors=True)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=10)
 
     def __enter__(self) -> "RepositoryServer":
-        return self.start()
+        return self if self.process is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -342,14 +467,25 @@ class RepositoryTarget(Format):
         return None
 
 
+REPOSITORY_CHECK = "triton-repository"
+
+
 def check_repository(out: Path, doc: Mapping[str, Any], replay, report, device: Any) -> list[str]:
     """The export's ``triton/`` on a real ``tritonserver`` (:class:`RepositoryServer`), checked over
-    HTTP and gRPC; returns notes for the verify report."""
+    HTTP and gRPC; returns notes for the verify report. A repository the server is not given (a
+    model, version or file its manifest record does not account for) or refuses fails the
+    ``triton-repository`` check with the reason."""
     from policy_export.exporter.serve.targets import run_target
 
     info = doc["formats"]["triton"]
     contract = Contract.from_json(doc["contract"])
-    with RepositoryServer(out / "triton") as server:
+    try:
+        server = RepositoryServer(out / "triton", info)
+        server.start()
+    except PolicyExportError as e:
+        report.errors[REPOSITORY_CHECK] = f"{type(e).__name__}: {str(e)[:500]}"
+        return [f"triton repository: not loaded ({str(e)[:200]})"]
+    with server:
         for protocol in PROTOCOLS:
             run_target(RepositoryTarget(server, protocol, info, contract), out, doc, replay, report, device)
         what = "the stepped sequences (the server keeping the state)" if info.get("recurrent") else \

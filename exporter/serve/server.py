@@ -3,26 +3,30 @@
 PyTriton starts the ``tritonserver`` its wheel ships (HTTP and gRPC, KServe v2) with a Python
 backend that hands each request to this process, where the export's own model runs (ONNX Runtime
 on ``model.onnx``; the SavedModel where the export has no ONNX model). The export's files are
-checked against its manifest first: a file that fails its hash is never loaded.
+checked against its manifest first: a file that fails its hash is never loaded. HTTP requests
+pass through :mod:`exporter.serve.front`, which refuses a request the server could not survive (a
+declared shape with more elements than the request has bytes) and every API but health, metadata
+and inference; gRPC goes to the server, whose management APIs PyTriton closes behind a random key.
+A ``host`` other than loopback is logged as a warning: there is no authentication.
 
     with TritonServer.start("out/cartpole", http_port=8000, grpc_port=8001) as server:
         server.endpoints()   # {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
 
-Stopping (leaving the ``with``, Ctrl-C or SIGTERM in :func:`serve_forever`) stops the server
-process and removes its workspace.
+Stopping (leaving the ``with``, Ctrl-C or SIGTERM in :func:`serve_forever`, or an interrupt while
+it starts or stops) stops the server process and removes its workspace
+(:mod:`exporter.serve.workspace`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
 import sysconfig
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ from policy_export.errors import ExportError, InputError, PolicyExportError
 from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
 from policy_export.exporter.devices import plan_devices
+from policy_export.exporter.serve import workspace as workspaces
 from policy_export.exporter.serve.models import DEFAULT_MAX_BATCH_SIZE, ServedModel, plan_models
 from policy_export.signatures.contract import Contract
 
@@ -44,6 +49,11 @@ log = logging.getLogger(__name__)
 ENGINES = ("onnx", "onnx_deterministic", "saved_model")
 INSTALL_HINT = 'install the serve extra: pip install "policy-export[serve]"'
 HOST = "127.0.0.1"
+# tritonserver's APIs no client of an export needs (model loading with uploaded files, shared
+# memory, logging and trace files, statistics): closed behind a random key no one is told
+RESTRICTED_APIS = "shared-memory,model-repository,statistics,trace,logging"
+OPEN_WARNING = ("serving on {host}: anyone who can reach ports {ports} can send requests to the model "
+                "(there is no authentication); use 127.0.0.1 unless the network is trusted")
 
 
 def import_pytriton():
@@ -114,20 +124,35 @@ def _explores(engine: Engine, doc: Mapping[str, Any]) -> bool:
     return fmt.explores((doc.get("formats") or {}).get(engine.format)) and fmt.capabilities.explores
 
 
-class TritonServer:
-    """A running Triton server (PyTriton) serving one export; a context manager that stops it."""
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, out: Path, models: list[ServedModel], engine: Engine, triton: Any, workspace: Path,
+
+class TritonServer:
+    """A running Triton server (PyTriton) serving one export; a context manager that stops it.
+
+    HTTP requests reach it through :class:`~exporter.serve.front.RequestFront` on ``host:http_port``
+    (the server's own HTTP endpoint listens on a private loopback port); gRPC requests go to the
+    server on ``host:grpc_port``."""
+
+    def __init__(self, out: Path, models: list[ServedModel], engine: Engine, parts: tuple[Any, Any, Path],
                  host: str, ports: Mapping[str, int]):
         self.out, self.models, self.engine = out, models, engine
-        self._triton, self._workspace = triton, workspace
+        self._triton, self._front, self._workspace = parts
         self.host, self.ports = host, dict(ports)
 
     @classmethod
     def start(cls, out: str | Path, http_port: int = 8000, grpc_port: int = 8001, host: str = HOST,
               model_name: str = "policy", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
               device: str = "cpu", queue_delay_us: int = 100) -> "TritonServer":
-        """Check the export, start the server and wait until it is ready.
+        """Check the export, start the server and wait until it is ready (a warning is logged when
+        ``host`` is not a loopback address).
 
         Raises:
             InputError: not an export, files that fail their check, a busy port, no PyTriton.
@@ -144,27 +169,22 @@ class TritonServer:
         contract = Contract.from_json(doc["contract"])
         models = plan_models(contract, set(engine.runner.inputs) | set(engine.runner.accepted),
                              list(engine.runner.outputs), _explores(engine, doc), model_name, max_batch_size)
-        workspace = Path(tempfile.mkdtemp(prefix="policy-export-serve-"))
-        triton = None
+        if not is_loopback(host):
+            log.warning(OPEN_WARNING.format(host=host, ports=f"{ports['http']} and {ports['grpc']}"))
+        workspaces.quiet_interrupts()
+        workspace = workspaces.make("policy-export-serve-")
         try:
-            config = triton_mod.TritonConfig(http_address=host, http_port=ports["http"], grpc_address=host,
-                                             grpc_port=ports["grpc"], allow_metrics=False, exit_timeout_secs=5,
-                                             log_file=workspace / "tritonserver.log")
-            with _server_environment():
-                triton = triton_mod.Triton(config=config, workspace=workspace / "pytriton")
-                for model in models:
-                    _bind(triton, mc, model, engine, queue_delay_us)
-                triton.run()
-        except BaseException as e:
-            if triton is not None:
-                with contextlib.suppress(Exception):
-                    triton.stop()
-            engine.runner.close()
-            shutil.rmtree(workspace, ignore_errors=True)
+            _check_socket_room(workspace, models)
+            triton, front = _run_triton(triton_mod, mc, models, engine, workspace, host, ports, queue_delay_us)
+        except BaseException as e:  # (_run_triton stopped the server it started)
+            try:
+                engine.runner.close()
+            finally:
+                workspaces.remove(workspace)
             if isinstance(e, PolicyExportError) or not isinstance(e, Exception):
                 raise
             raise ExportError(f"the Triton server did not start: {type(e).__name__}: {str(e)[:500]}") from e
-        return cls(out, models, engine, triton, workspace, host, ports)
+        return cls(out, models, engine, (triton, front, workspace), host, ports)
 
     @property
     def workspace(self) -> Path:
@@ -175,21 +195,61 @@ class TritonServer:
         return {what: f"{self.host}:{port}" for what, port in self.ports.items()}
 
     def stop(self) -> None:
-        """Stop the server (its process and the backend's stubs) and remove its workspace."""
+        """Stop the HTTP front and the server (its process and the backend's stubs) and remove its
+        workspace, also when an interrupt arrives while the server stops."""
         if self._triton is None:
             return
         triton, self._triton = self._triton, None
         try:
+            self._front.stop()
             triton.stop()
         finally:
-            self.engine.runner.close()
-            shutil.rmtree(self._workspace, ignore_errors=True)
+            try:
+                self.engine.runner.close()
+            finally:
+                workspaces.remove(self._workspace)
 
     def __enter__(self) -> "TritonServer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+SOCKET_PATH_BYTES = 107  # what an AF_UNIX socket address holds on Linux
+
+
+def _check_socket_room(workspace: Path, models: list[ServedModel]) -> None:
+    """Raises InputError when PyTriton's sockets (``<workspace>/pytriton/<model>_0_0-server.sock``)
+    would not fit an AF_UNIX address (a long ``TMPDIR`` or model name)."""
+    longest = max(len(f"{workspace}/pytriton/{m.name}_0_0-server.sock".encode()) for m in models)
+    if longest > SOCKET_PATH_BYTES:
+        raise InputError(f"the server's socket paths under {str(workspace)[:200]} would be {longest} bytes, more "
+                         f"than the {SOCKET_PATH_BYTES} a socket address holds: set TMPDIR to a shorter folder or "
+                         "choose a shorter --model-name")
+
+
+def _run_triton(triton_mod, mc, models: list[ServedModel], engine: Engine, workspace: Path, host: str,
+                ports: Mapping[str, int], queue_delay_us: int) -> tuple[Any, Any]:
+    """PyTriton's server (HTTP on a private loopback port, gRPC on ``host``) with ``models`` bound,
+    running, and the HTTP front on ``host``; returns both."""
+    from policy_export.exporter.serve.front import RequestFront
+
+    backend_http = free_port()
+    config = triton_mod.TritonConfig(http_address=HOST, http_port=backend_http, grpc_address=host,
+                                     grpc_port=ports["grpc"], allow_metrics=False, exit_timeout_secs=5,
+                                     log_file=workspace / "tritonserver.log")
+    with _server_environment():
+        triton = triton_mod.Triton(config=config, workspace=workspace / "pytriton")
+        try:
+            for model in models:
+                _bind(triton, mc, model, engine, queue_delay_us)
+            triton.run()
+            return triton, RequestFront(host, ports["http"], backend_http, models)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                triton.stop()
+            raise
 
 
 @contextlib.contextmanager

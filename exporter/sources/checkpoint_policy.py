@@ -12,7 +12,10 @@ weights alone:
    (``use_filter=False`` leaves it out, for a caller who applies it);
 3. **the network** (:mod:`exporter.sources.rllib_nets`): RLlib's fully connected or vision net, its LSTM
    wrapper (one step, the state ``state_in_0``/``state_in_1`` = ``h``/``c`` carried by the
-   caller), DQN's Q head, SAC's and CQL's actor net, DDPG's and TD3's deterministic actor;
+   caller), its attention wrapper (:mod:`exporter.sources.rllib_attention`: one step, the state
+   ``state_in_i`` each transformer unit's memory window), DQN's Q head, SAC's and CQL's actor net,
+   DDPG's and TD3's deterministic actor; every size and number the graph takes from the config,
+   the spaces and the filter is checked first (:mod:`exporter.sources.rllib_checks`);
 4. **the action head** with RLlib's meanings: with ``explore`` false the distribution's
    deterministic sample (argmax, the Gaussian mean, SAC's squashed mean) with ``action_logp`` 0;
    with ``explore`` true a sample and its log-probability. DQN explores epsilon-greedily on a
@@ -40,8 +43,11 @@ import tensorflow as tf
 
 from policy_export.errors import ExportError
 from policy_export.exporter.sources.checkpoint import CheckpointPolicy, FilterState
+from policy_export.exporter.sources.safe_pickle import short_repr
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
 from policy_export.exporter.sources import rllib_layout as layout
+from policy_export.exporter.sources.rllib_attention import ATTENTION_DEFAULTS, AttentionConfig, attention_step
+from policy_export.exporter.sources.rllib_checks import MAX_INT, check_policy, json_value, recorded
 from policy_export.exporter.sources.rllib_layout import Layout, named_weights
 from policy_export.exporter.sources.rllib_nets import (
     NetWeights, conv_filters, ddpg_actor, fcnet, lstm_step, q_values, visionnet,
@@ -71,7 +77,8 @@ SOFT_ACTOR = ("SACTFPolicy", "SACTF1Policy", "SACTF2Policy", "CQLTFPolicy", "CQL
 MODEL_DEFAULTS = {"fcnet_hiddens": [256, 256], "fcnet_activation": "tanh", "post_fcnet_hiddens": [],
                   "post_fcnet_activation": "relu", "free_log_std": False, "no_final_linear": False,
                   "vf_share_layers": True, "use_lstm": False, "lstm_cell_size": 256, "lstm_use_prev_action": False,
-                  "lstm_use_prev_reward": False, "max_seq_len": 20, "conv_filters": None, "conv_activation": "relu"}
+                  "lstm_use_prev_reward": False, "max_seq_len": 20, "conv_filters": None, "conv_activation": "relu",
+                  "use_attention": False, **ATTENTION_DEFAULTS}
 # the families whose exploration depends on the training step or on noise state the served model
 # does not have: their exports serve the greedy action, with no explore input
 SERVES_GREEDY = {
@@ -97,6 +104,12 @@ class _Net:
     prev_reward: tf.Tensor | None = None
 
 
+def describe(policy: CheckpointPolicy) -> str:
+    """``policy '<id>' (<class>)`` for messages, the class name cut to 120 characters."""
+    name = policy.policy_class if len(policy.policy_class) <= 120 else policy.policy_class[:117] + "..."
+    return f"policy {policy.policy_id!r} ({name})"
+
+
 def model_config(policy: CheckpointPolicy) -> dict[str, Any]:
     """The policy's ``model`` config over RLlib's defaults."""
     given = policy.config.get("model") if isinstance(policy.config.get("model"), dict) else {}
@@ -110,25 +123,25 @@ def network_kind(policy: CheckpointPolicy) -> str:
         ExportError: a policy class, custom model or network the package does not rebuild,
             naming it and pointing to ``from_rllib``.
     """
-    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
+    where = describe(policy)
     model = model_config(policy)
     custom = model.get("custom_model")
     if custom:
         name = getattr(custom, "ref", custom)
-        raise ExportError(f"{where} uses the custom model {name!r}, which cannot be rebuilt from a checkpoint; "
-                          f"{FROM_RLLIB}")
-    for key in ("use_attention",):
-        if model.get(key):
-            raise ExportError(f"{where}: model {key} (the attention net) is not rebuilt from checkpoints; {FROM_RLLIB}")
+        raise ExportError(f"{where} uses the custom model {short_repr(name, 120)}, which cannot be rebuilt from a "
+                          f"checkpoint; {FROM_RLLIB}")
+    if model.get("use_attention") and model.get("use_lstm"):
+        raise ExportError(f"{where}: model use_lstm and use_attention are both set (RLlib refuses that too)")
     base_network(policy)
     name = policy.policy_class.rsplit(".", 1)[-1]
     for kind, classes in (("actor_critic", ACTOR_CRITIC), ("q_learning", Q_LEARNING), ("soft_actor", SOFT_ACTOR),
                           ("deterministic_actor", DETERMINISTIC_ACTOR)):
         if name in classes:
-            if model.get("use_lstm") and kind != "actor_critic":
-                raise ExportError(f"{where}: use_lstm with {name} is not rebuilt from checkpoints; {FROM_RLLIB}")
+            for key in ("use_lstm", "use_attention"):
+                if model.get(key) and kind != "actor_critic":
+                    raise ExportError(f"{where}: {key} with {name} is not rebuilt from checkpoints; {FROM_RLLIB}")
             return kind
-    raise ExportError(f"{where}: the policy class {name} is not one the package rebuilds from a checkpoint "
+    raise ExportError(f"{where}: the policy class {name[:120]} is not one the package rebuilds from a checkpoint "
                       f"(it rebuilds {', '.join(ACTOR_CRITIC[:1] + Q_LEARNING[:1] + SOFT_ACTOR[:1] + DETERMINISTIC_ACTOR[:1])} "
                       f"and their "
                       f"family); {FROM_RLLIB}")
@@ -143,7 +156,7 @@ def base_network(policy: CheckpointPolicy) -> str:
         ExportError: the complex-input net (a Dict or Tuple with images, a 2-D Box), or
             observations RLlib's preprocessor changed in shape (Atari frames), neither rebuilt.
     """
-    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
+    where = describe(policy)
     space, original = policy.observation_space, policy.original_observation_space
     if isinstance(space, gym.spaces.Box) and len(space.shape) == 3:
         if original is not None and getattr(original, "shape", None) != space.shape:
@@ -212,6 +225,8 @@ def _base(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str
 
 def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any]) -> _Net:
     num_outputs = ActionDistribution.required_inputs(policy.action_space)
+    if model.get("use_attention"):
+        return _attention_net(policy, x, w, model, num_outputs)
     if not model.get("use_lstm"):
         out, value = _base(policy, x, w, model, num_outputs)
         return _Net(out, {"vf_preds": tf.reshape(value, [-1])})
@@ -221,6 +236,25 @@ def _actor_critic(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: 
     logits, values, (h, c) = lstm_step(net.dist_inputs, (net.state_in[0], net.state_in[1]), w, cell, num_outputs)
     active = tf.expand_dims(net.seq_lens > 0, -1)  # a zero-length sequence keeps its state, as Keras's mask does
     net.state_out = [tf.where(active, h, net.state_in[0]), tf.where(active, c, net.state_in[1])]
+    net.dist_inputs, net.extras = logits, {"vf_preds": tf.reshape(values, [-1])}
+    return net
+
+
+def _attention_net(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: dict[str, Any],
+                   num_outputs: int) -> _Net:
+    """``AttentionWrapper`` (:mod:`exporter.sources.rllib_attention`), one step: the state is each
+    unit's memory window ``[B, M, dim]``, ``state_out_i`` the window shifted by the step's row
+    (kept as it was for a sequence of length 0)."""
+    cfg = AttentionConfig.of(model)
+    features, _ = _base(policy, x, w, model, None, with_value=False)
+    net = _Net(features, {})
+    net.state_in = [tf1.placeholder(tf.float32, (None, cfg.memory, cfg.dim), name=state_in_key(i))
+                    for i in range(cfg.units)]
+    net.seq_lens = tf1.placeholder(tf.int32, (None,), name=SEQ_LENS)
+    logits, values, rows = attention_step(features, net.state_in, w, cfg, num_outputs)
+    active = tf.reshape(net.seq_lens > 0, (-1, 1, 1))
+    net.state_out = [tf.where(active, tf.concat([state[:, 1:], row[:, None]], axis=1), state)
+                     for state, row in zip(net.state_in, rows)]
     net.dist_inputs, net.extras = logits, {"vf_preds": tf.reshape(values, [-1])}
     return net
 
@@ -274,7 +308,8 @@ def _q_learning(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights, model: di
 def _soft_actor(policy: CheckpointPolicy, x: tf.Tensor, w: NetWeights) -> _Net:
     actor = {**MODEL_DEFAULTS, **(policy.config.get("policy_model_config") or {})}
     if actor.get("custom_model"):
-        raise ExportError(f"SAC's policy_model_config names the custom model {actor['custom_model']!r}; {FROM_RLLIB}")
+        raise ExportError(f"SAC's policy_model_config names the custom model {short_repr(actor['custom_model'])}; "
+                          f"{FROM_RLLIB}")
     num_outputs = ActionDistribution.required_inputs(policy.action_space)
     out, _ = _base(policy, x, w, actor, num_outputs, with_value=False)
     return _Net(out, {})
@@ -410,14 +445,15 @@ def load_checkpoint_policy(policy: CheckpointPolicy, *, use_filter: bool = True,
         return _load(policy, use_filter, actions, device)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
         # a config value of the wrong kind (a size that is not a number, a list that is a string...)
-        raise ExportError(f"policy {policy.policy_id!r} ({policy.policy_class}): its config cannot be rebuilt: "
+        raise ExportError(f"{describe(policy)}: its config cannot be rebuilt: "
                           f"{type(e).__name__}: {str(e)[:300]}") from e
 
 
 def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str | None):
     kind = network_kind(policy)
-    space, flatten = observation_space(policy)
     model = model_config(policy)
+    check_policy(policy, kind, base_network(policy), model, describe(policy), use_filter)
+    space, flatten = observation_space(policy)
     where = f"checkpoint policy {policy.policy_id!r}"
     named = policy.weights if policy.weight_list is None else \
         named_weights(policy.weight_list, eager_layout(policy, kind), policy.policy_id, where)
@@ -440,7 +476,9 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
         explore, deterministic = head.explore, head.deterministic
         is_training = tf1.placeholder_with_default(False, (), name=IS_TRAINING)
         timestep = tf1.placeholder_with_default(np.int64(0), (), name=TIMESTEP)
-        sequences = _sequence_graph(policy, weights, actions, explore, use_filter) if net.state_in else None
+        # the attention net is served one step at a time, its memory window the state: no sequence graph
+        looped = net.state_in and not model.get("use_attention")
+        sequences = _sequence_graph(policy, weights, actions, explore, use_filter) if looped else None
         if sequences is not None:
             sequences.inputs[TIMESTEP] = timestep
     session = tf1.Session(graph=graph, config=session_config(device))
@@ -464,6 +502,15 @@ def _load(policy: CheckpointPolicy, use_filter: bool, actions: str, device: str 
     return tf_policy, _record(policy, kind, model, weights, use_filter, actions)
 
 
+def _refuse_eager_attention(model: dict[str, Any], where: str) -> None:
+    """RLlib's eager ``model.variables()`` keys the variables by name, and the attention net's unnamed
+    weights share names (a GRU gate's seven, the position biases): its list keeps one of each."""
+    if model.get("use_attention"):
+        raise ExportError(f"{where}: a framework('tf2') attention net is not rebuilt: RLlib's eager checkpoint keeps "
+                          f"one of the variables that share a name (each GRU gate's seven weights, the position "
+                          f"biases), so it does not hold the whole net; {FROM_RLLIB}")
+
+
 def eager_layout(policy: CheckpointPolicy, kind: str) -> Layout:
     """``(name, shape)`` of every variable of the policy's RLlib model, in the order a
     ``framework("tf2")`` policy's ``get_weights()`` lists them (``TFModelV2.variables()``: its
@@ -472,7 +519,7 @@ def eager_layout(policy: CheckpointPolicy, kind: str) -> Layout:
     Raises:
         ExportError: a network whose eager variable order is not laid out (named).
     """
-    where = f"policy {policy.policy_id!r} ({policy.policy_class})"
+    where = describe(policy)
     model = model_config(policy)
     obs = policy.observation_space
     n = ActionDistribution.required_inputs(policy.action_space)
@@ -482,6 +529,7 @@ def eager_layout(policy: CheckpointPolicy, kind: str) -> Layout:
             return layout.visionnet(obs.shape, config, num_outputs, conv_filters(config, obs.shape), name)
         return layout.fcnet(int(np.prod(obs.shape)), config, num_outputs, name)
 
+    _refuse_eager_attention(model, where)
     with tf.Graph().as_default():
         if kind == "actor_critic" and not model.get("use_lstm"):
             return base(model, n)[0]
@@ -526,11 +574,27 @@ def _extras(deterministic: dict[str, tf.Tensor], net: _Net) -> dict[str, tf.Tens
 
 
 def filter_record(state: FilterState | None) -> dict[str, Any] | None:
+    """The filter's statistics as the manifest records them: each value only as JSON the strict
+    reader reads back (a count of more than 18 digits, a non-finite clip, a mean or standard
+    deviation with a non-finite value are written as null; a served filter is checked finite
+    before any of this, :func:`~exporter.sources.rllib_checks.check_policy`)."""
     if state is None:
         return None
-    return {"class": state.kind, "source": state.source, "count": int(state.n), "demean": state.demean,
-            "destd": state.destd, "clip": state.clip, "mean": state.mean.tolist(), "std": state.std.tolist(),
+    count = _safe(state.n)
+    with np.errstate(all="ignore"):  # the standard deviation of a count out of range is not computed
+        mean = np.asarray(state.mean, np.float64)
+        std = np.asarray(state.std if isinstance(count, int) else np.nan, np.float64)
+    return {"class": state.kind, "source": state.source, "demean": bool(state.demean), "destd": bool(state.destd),
+            "count": count, "clip": _safe(state.clip),
+            "mean": mean.tolist() if np.all(np.isfinite(mean)) else None,
+            "std": std.tolist() if np.all(np.isfinite(std)) else None,
             "formula": "(x - mean) / (std + 1e-6), then clip to [-clip, clip] when clip is set"}
+
+
+def _safe(value: Any) -> Any:
+    """``value`` as the strict JSON reader reads it back, else None."""
+    found = json_value(value)
+    return found if isinstance(found, (bool, int, float, str)) else None
 
 
 def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights: NetWeights, use_filter: bool,
@@ -538,13 +602,19 @@ def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights:
     used = set(weights.used)
     scope = f"{weights.scope}/" if weights.scope else ""
     unused = sorted(f"{scope}{n}" for n in weights.arrays if f"{scope}{n}" not in used)
+    listed = [name for name in unused if isinstance(json_value(name), str)]  # names of JSON-safe text
     filt = filter_record(policy.filter)
+    model_record, not_recorded = recorded({k: model.get(k) for k in MODEL_DEFAULTS})
+    timestep = policy.global_timestep if isinstance(policy.global_timestep, int) and \
+        0 <= policy.global_timestep <= MAX_INT else None
     return {
-        "policy_id": policy.policy_id, "policy_class": policy.policy_class, "framework": policy.framework,
+        "policy_id": policy.policy_id, "policy_class": _safe(policy.policy_class), "framework": policy.framework,
         "network": kind,
         "base_network": base_network(policy),
-        "model": {k: model.get(k) for k in MODEL_DEFAULTS},
-        "weights_used": sorted(used), "weights_not_in_the_served_graph": unused,
+        "model": model_record,
+        "model_not_recorded": not_recorded,
+        "weights_used": sorted(used), "weights_not_in_the_served_graph": listed,
+        "weights_not_recorded": len(unused) - len(listed),
         "observation_space": space_to_json(observation_space(policy)[0]),
         "observation_filter": filt if use_filter else None,
         "observation_filter_left_out": filt if not use_filter else None,
@@ -552,5 +622,5 @@ def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights:
         "actions": actions,
         "normalize_actions": bool(policy.config.get("normalize_actions", True)),
         "clip_actions": bool(policy.config.get("clip_actions")),
-        "global_timestep": policy.global_timestep,
+        "global_timestep": timestep,
     }

@@ -111,7 +111,7 @@ def activation_fn(name: Any, where: str):
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in ACTIVATIONS:
-        raise ExportError(f"{where}: activation {name!r} is not one this package rebuilds "
+        raise ExportError(f"{where}: activation {name!r:.80} is not one this package rebuilds "
                           f"({', '.join(k for k in ACTIVATIONS if k)})")
     return ACTIVATIONS[key]
 

@@ -9,8 +9,13 @@ run through its serving signature.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+import stat
 import warnings
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ import tensorflow as tf
 
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.runner import Runner, TensorMeta
-from policy_export.policy import jsonio
+from policy_export.policy import h5io, jsonio
 from policy_export.errors import ExportError, RunTimeoutError
 
 SAVED_MODEL = "saved_model"
@@ -69,9 +74,6 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
                         {"files": FORMATS, "inputs": names, "outputs": list(model.output_names)})
 
 
-_SAFE_EXTRA = ("Functional", "Model", "Sequential", "TFOpLambda", "SlicingOpLambda", "Policy", "DTypePolicy")
-
-
 # TF API symbols a ``TFOpLambda``/``SlicingOpLambda`` layer may name (its ``function``): pure tensor computation
 # only. Keras resolves the name against the whole ``tf`` namespace, so any other name (``io.write_file``...) is refused.
 OP_LAMBDA_FUNCTIONS = frozenset({
@@ -95,52 +97,226 @@ OP_LAMBDA_FUNCTIONS = frozenset({
     "__operators__.ge", "__operators__.and", "__operators__.or", "__operators__.invert",
 })
 _OP_LAMBDAS = ("TFOpLambda", "SlicingOpLambda")
+# what a string activation may name: tf-keras's built-in activation functions
+ACTIVATIONS = frozenset({"elu", "exponential", "gelu", "hard_sigmoid", "linear", "mish", "relu", "selu", "sigmoid",
+                         "softmax", "softplus", "softsign", "swish", "tanh"})
+_ACTIVATION_KEYS = ("activation", "recurrent_activation")
+# fields with which tf-keras picks a class or a function to call: each is decided here, wherever it stands
+_PICKERS = ("class_name", "module", "registered_name", "spec_name")
+_CODE_FIELDS = ("function_type", "output_shape_type", "output_shape_module")  # a Lambda's code and its kind
+# what a ``module`` field may say besides a class's own defining module: tf-keras's public namespaces
+_PUBLIC_MODULES = ("keras", "keras.layers", "keras.initializers", "keras.regularizers", "keras.constraints",
+                   "keras.mixed_precision")
+# the members tf-keras writes into a ``.keras`` archive, and the most each may inflate to
+MAX_ARCHIVE_MEMBERS = {"config.json": jsonio.MAX_JSON_BYTES, "metadata.json": 1 << 20,
+                       "model.weights.h5": h5io.MAX_WEIGHTS_BYTES, "model.weights.npz": h5io.MAX_WEIGHTS_BYTES}
+_CHUNK = 1 << 20
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@functools.cache
+def _allowed_classes() -> dict[str, type]:
+    """Class name -> class, for every class a Keras file may name: tf-keras's built-in layers (not
+    ``Lambda``), initializers, regularizers and constraints, its models, the op layers and the dtype policy."""
+    import tf_keras as keras
+    from tf_keras.src.engine.functional import Functional
+    from tf_keras.src.layers.core.tf_op_layer import SlicingOpLambda, TFOpLambda
+
+    bases = ((keras.layers, keras.layers.Layer), (keras.initializers, keras.initializers.Initializer),
+             (keras.regularizers, keras.regularizers.Regularizer), (keras.constraints, keras.constraints.Constraint))
+    allowed: dict[str, type] = {}
+    for module, base in bases:
+        for name in dir(module):
+            obj = getattr(module, name)
+            if (not name.startswith("_") and inspect.isclass(obj) and issubclass(obj, base)
+                    and not issubclass(obj, keras.layers.Lambda)):
+                allowed.setdefault(name, obj)
+    allowed.update(Functional=Functional, Model=keras.Model, Sequential=keras.Sequential, TFOpLambda=TFOpLambda,
+                   SlicingOpLambda=SlicingOpLambda, Policy=keras.mixed_precision.Policy)
+    return allowed
+
+
+def _resolves_to(cls: type, name: str, module: Any) -> bool:
+    """Whether tf-keras, given ``module`` and class ``name``, picks ``cls`` (nothing is imported)."""
+    import tf_keras as keras
+
+    if module is None:
+        return True
+    if module in _PUBLIC_MODULES:
+        namespace = keras if module == "keras" else getattr(keras, module.split(".", 1)[1])
+        return getattr(namespace, name, None) is cls
+    return module == cls.__module__  # the class's own defining module (tf-keras's, for its non-public classes)
+
+
+def _check_object(node: dict, source: str) -> str:
+    """Check the object reference ``node`` (a dict with a picker field); its class name."""
+    cls_name, module, registered = (node.get(k) for k in ("class_name", "module", "registered_name"))
+    allowed = _allowed_classes()
+    if not isinstance(cls_name, str) or cls_name not in allowed or "spec_name" in node:
+        raise ExportError(f"{source}: class {_short(cls_name)} is not built into tf-keras (its layers but Lambda, "
+                          "initializers, regularizers, constraints, models); refusing to load it")
+    if registered not in (None, cls_name) or not _resolves_to(allowed[cls_name], cls_name, module):
+        raise ExportError(f"{source}: class {cls_name!r} with module {_short(module)} and registered name "
+                          f"{_short(registered)} would load another class than tf-keras's {cls_name}; refusing "
+                          "to load it")
+    return cls_name
+
+
+def _check_fields(node: dict, owner: str | None, source: str) -> None:
+    """Check the plain fields of a dict: ``owner`` is the class whose ``config`` it is, if any."""
+    if any(k in node for k in _CODE_FIELDS):
+        raise ExportError(f"{source}: a config field that carries Python code ({', '.join(_CODE_FIELDS)}); "
+                          "refusing to load it")
+    if "function" in node and (owner not in _OP_LAMBDAS or node["function"] not in OP_LAMBDA_FUNCTIONS):
+        raise ExportError(f"{source}: layer {owner} names TF function {_short(node['function'])}, which is not on "
+                          "the list of pure tensor functions a Keras file may call; refusing to load it")
+    for key in _ACTIVATION_KEYS:
+        if isinstance(node.get(key), str) and node[key] not in ACTIVATIONS:
+            raise ExportError(f"{source}: activation {_short(node[key])} is not one of tf-keras's built-in "
+                              "activations; refusing to load it")
 
 
 def check_config_safe(config: Any, source: str) -> None:
-    """Refuse a model config naming a class that is not built into tf-keras, or ``Lambda``.
+    """Refuse a model config that could make tf-keras build anything but its own built-in objects.
 
-    Every object in the config (layers, nested models, wrappers, cells, initializers,
-    regularizers, constraints...) is checked. ``TFOpLambda``/``SlicingOpLambda`` may name only a TF API
-    symbol of :data:`OP_LAMBDA_FUNCTIONS`; ``Lambda`` would deserialise and run code from the file.
+    Every dict at any depth (layers, nested models, wrappers, cells, initializers, regularizers,
+    constraints, dtype policies, inbound nodes and their arguments) is checked, and every field
+    tf-keras picks a class or a function by is decided on an allowlist: ``class_name`` a built-in
+    class (:func:`_allowed_classes`; never ``Lambda`` nor the ``function``/``__lambda__`` specials),
+    ``registered_name`` absent or that same name, ``module`` a public tf-keras namespace holding that
+    class or the class's own module. ``TFOpLambda``/``SlicingOpLambda`` may name only a TF API symbol
+    of :data:`OP_LAMBDA_FUNCTIONS`, a string activation only one of :data:`ACTIVATIONS`; a field that
+    carries code (``function_type``...) is refused wherever it stands.
+
+    Raises:
+        ExportError: the first field that is not allowed (its value shortened).
     """
-    import tf_keras as keras
-
-    modules = (keras.layers, keras.initializers, keras.regularizers, keras.constraints, keras.activations)
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            cls = node.get("class_name")
-            if cls is not None and "config" in node:
-                known = isinstance(cls, str) and (cls in _SAFE_EXTRA or any(hasattr(m, cls) for m in modules))
-                if not known or cls == "Lambda":
-                    raise ExportError(f"{source}: class {cls!r} is not built into tf-keras; refusing to load it")
-                if cls in _OP_LAMBDAS:
-                    fn = node["config"].get("function") if isinstance(node["config"], dict) else None
-                    if fn not in OP_LAMBDA_FUNCTIONS:
-                        raise ExportError(f"{source}: layer {cls} names TF function {fn!r}, which is not on the list "
-                                          "of pure tensor functions a Keras file may call; refusing to load it")
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    if not (isinstance(config, dict) and "class_name" in config):
-        raise ExportError(f"{source}: malformed model config")
-    walk(config)
+    if not (isinstance(config, dict) and config.get("class_name") in ("Functional", "Model", "Sequential")):
+        raise ExportError(f"{source}: malformed model config (not a tf-keras model)")
+    stack: list[tuple[Any, str | None]] = [(config, None)]
+    while stack:  # iterative: a config may nest as deep as its JSON reader allows
+        node, owner = stack.pop()
+        if isinstance(node, list):
+            stack.extend((value, None) for value in node)
+        elif isinstance(node, dict):
+            _check_fields(node, owner, source)
+            cls_name = _check_object(node, source) if any(k in node for k in _PICKERS) else None
+            stack.extend((value, cls_name if key == "config" else None) for key, value in node.items())
 
 
 def _read_config(path: Path) -> Any:
+    """The model config of a ``.keras`` (after :func:`check_archive`) or ``.h5`` file, read within its limit."""
     try:
         if path.suffix == ".keras":
-            with zipfile.ZipFile(path) as z:
-                return jsonio.loads(z.read("config.json"), f"{path}:config.json")
+            return jsonio.loads(check_archive(path), f"{path}:config.json")
         with h5py.File(path, "r") as f:
-            raw = f.attrs.get("model_config")
-            return jsonio.loads(raw, f"{path}:model_config")
+            if "model_config" not in f.attrs:
+                raise ExportError(f"{path} holds no model config")
+            size = f.attrs.get_id("model_config").get_storage_size()
+            if size > jsonio.MAX_JSON_BYTES:
+                raise ExportError(f"{path}: a model config of {size} bytes, over {jsonio.MAX_JSON_BYTES}")
+            return jsonio.loads(f.attrs.get("model_config"), f"{path}:model_config")
+    except ExportError:
+        raise
     except Exception as e:  # zip, h5 and JSON errors alike mean "not a model file"
-        raise ExportError(f"{path} is not a readable Keras model file: {e}") from e
+        raise ExportError(f"{path} is not a readable Keras model file: {type(e).__name__}: {_short(str(e))}") from e
+
+
+def check_archive(path: Path) -> bytes:
+    """Check a ``.keras`` archive before tf-keras opens it; its ``config.json``.
+
+    Only the members tf-keras writes (:data:`MAX_ARCHIVE_MEMBERS`) may be there, each stored or
+    deflated, its declared size within its limit; every one is inflated here in chunks that stop
+    at that limit and at its declared size (which can lie), its CRC checked, so nothing tf-keras
+    reads afterwards inflates past it.
+
+    Raises:
+        ExportError: a link or not a regular file, another member, a member over its limit (declared
+            or inflated), a damaged archive.
+    """
+    with _open_regular(path) as handle:
+        _check_directory(handle, path)
+        with zipfile.ZipFile(handle) as archive:
+            infos = archive.infolist()
+            names = [i.filename for i in infos]
+            if len(set(names)) != len(names) or not set(names) <= set(MAX_ARCHIVE_MEMBERS) or "config.json" not in names:
+                raise ExportError(f"{path}: members {_short(sorted(set(names)))}; a Keras file holds config.json "
+                                  f"and only {', '.join(n for n in MAX_ARCHIVE_MEMBERS if n != 'config.json')} besides")
+            config = b""
+            for info in infos:
+                data = _inflate(handle, info, path)
+                if info.filename == "config.json":
+                    config = data
+            return config
+
+
+def _open_regular(path: Path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ExportError(f"cannot read {path}: {e.strerror} (a symbolic link is never followed)") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ExportError(f"refusing to read {path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _check_directory(handle, path: Path) -> None:
+    """Refuse a zip directory of more members than a Keras file holds, before :mod:`zipfile` parses it."""
+    size = os.fstat(handle.fileno()).st_size
+    handle.seek(max(0, size - (1 << 16) - 22))
+    tail = handle.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        raise ExportError(f"{path} is not a readable Keras model file: no zip directory")
+    count, directory = int.from_bytes(tail[at + 10:at + 12], "little"), int.from_bytes(tail[at + 12:at + 16], "little")
+    if count > len(MAX_ARCHIVE_MEMBERS) or directory > 1 << 16:
+        raise ExportError(f"{path}: a zip directory of {count} members in {directory} bytes; a Keras file holds at "
+                          f"most {len(MAX_ARCHIVE_MEMBERS)}")
+    handle.seek(0)
+
+
+def _inflate(handle, info: zipfile.ZipInfo, path: Path) -> bytes:
+    """``info``'s bytes, inflated here in chunks and stopped past its limit or declared size; the
+    stream must end exactly at its declared size with its CRC (:mod:`zipfile` itself stops at the
+    declared size but inflates whatever a ``read()`` finds first). Kept for ``config.json`` only."""
+    limit, where = MAX_ARCHIVE_MEMBERS[info.filename], f"{path}:{info.filename}"
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
+        raise ExportError(f"{where}: compression {info.compress_type} or encryption; a Keras file is stored or "
+                          "deflated")
+    if info.file_size > limit:
+        raise ExportError(f"{where} declares {info.file_size} bytes, over its {limit >> 20} MiB limit; nothing was "
+                          "inflated")
+    handle.seek(info.header_offset)
+    header = handle.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise ExportError(f"{where}: no local header at byte {info.header_offset}")
+    handle.seek(info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little"))
+    inflater = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
+    keep, total, crc, chunks, left = info.filename == "config.json", 0, 0, [], info.compress_size
+    while left > 0:
+        raw = handle.read(min(left, _CHUNK))
+        if not raw:
+            break
+        left -= len(raw)
+        while raw:
+            data = inflater.decompress(raw, _CHUNK) if inflater else raw
+            raw = inflater.unconsumed_tail if inflater else b""
+            total += len(data)
+            if total > info.file_size:
+                raise ExportError(f"{where} inflates past its declared {info.file_size} bytes; refusing it")
+            crc = zlib.crc32(data, crc)
+            if keep:
+                chunks.append(data)
+    ended = inflater is None or (inflater.eof and not inflater.unused_data)
+    if left or not ended or total != info.file_size or crc != info.CRC:
+        raise ExportError(f"{where}: {total} bytes where {info.file_size} are declared, or a stream that does not "
+                          "end there or fails its CRC; not an archive tf-keras wrote")
+    return b"".join(chunks)
 
 
 class KerasRunner(Runner):

@@ -7,7 +7,17 @@ from pathlib import Path
 from policy_export.exporter.formats.base import Capabilities, Format
 
 
-class OnnxFormat(Format):
+class OnnxFile:
+    """What every format of the ONNX family shares: its model file is checked by onnx's checker and
+    the declared-size check before anything parses it."""
+
+    def check_model(self, path: Path) -> None:
+        from policy_export.exporter.formats.onnx.model import check_file
+
+        check_file(Path(path))
+
+
+class OnnxFormat(OnnxFile, Format):
     name = "onnx"
     path = "model.onnx"
     order = 30
@@ -36,3 +46,5 @@ class OnnxFormat(Format):
 
 
 FORMAT = OnnxFormat()
+# the family's variants, each a module of this package with a FORMAT of its own
+VARIANTS = ("deterministic", "int8", "fp16", "explore")

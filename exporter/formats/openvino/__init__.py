@@ -60,3 +60,5 @@ class OpenVinoFormat(Format):
 
 
 FORMAT = OpenVinoFormat()
+# the family's variants, each a module of this package with a FORMAT of its own
+VARIANTS = ("bf16",)

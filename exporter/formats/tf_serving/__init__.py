@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_export.exporter.formats.base import Capabilities, Format, FormatRecord
+from policy_export.exporter.formats.base import SERVED_MODEL_OPTIONS, Capabilities, Format, FormatRecord
 from policy_export.errors import InputError
 
 
 class TFServingFormat(Format):
     name = "tf_serving"
+    options = SERVED_MODEL_OPTIONS
     path = "tf_serving"
     order = 72  # with the other serving targets, after the edge formats
     is_directory = True

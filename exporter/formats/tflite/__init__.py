@@ -31,3 +31,5 @@ class TFLiteFormat(Format):
 
 
 FORMAT = TFLiteFormat()
+# the family's variants, each a module of this package with a FORMAT of its own
+VARIANTS = ("int8",)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_export.exporter.formats.base import Capabilities, Format
+from policy_export.exporter.formats.base import SERVED_MODEL_OPTIONS, Capabilities, Format
 
 
 class TritonFormat(Format):
     name = "triton"
+    options = SERVED_MODEL_OPTIONS
     path = "triton"
     order = 70
     is_directory = True

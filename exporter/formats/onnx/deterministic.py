@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from policy_export.exporter.formats.base import Capabilities, Format
+from policy_export.exporter.formats.onnx import OnnxFile
 
 
-class OnnxDeterministicFormat(Format):
+class OnnxDeterministicFormat(OnnxFile, Format):
     name = "onnx_deterministic"
     path = "model_deterministic.onnx"
     order = 40

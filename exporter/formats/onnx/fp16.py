@@ -3,7 +3,7 @@ and float32 inputs and outputs. Lossy: held to behavioural thresholds. Opt-in (`
 
 from __future__ import annotations
 
-from policy_export.exporter.formats.onnx_int8 import OnnxInt8Format
+from policy_export.exporter.formats.onnx.int8 import OnnxInt8Format
 
 
 class OnnxFp16Format(OnnxInt8Format):

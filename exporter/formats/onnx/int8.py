@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from policy_export.exporter.formats.base import Capabilities, Format
+from policy_export.exporter.formats.onnx import OnnxFile
 
 
-class OnnxInt8Format(Format):
+class OnnxInt8Format(OnnxFile, Format):
     name = "onnx_int8"
     path = "model_int8.onnx"
     order = 62

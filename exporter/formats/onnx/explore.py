@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from policy_export.exporter.formats.base import Capabilities, Format
+from policy_export.exporter.formats.onnx import OnnxFile
 
 EXPLORE_FILENAME = "model_explore.onnx"
 
 
-class OnnxExploreFormat(Format):
+class OnnxExploreFormat(OnnxFile, Format):
     name = "onnx_explore"
     path = EXPLORE_FILENAME
     order = 45

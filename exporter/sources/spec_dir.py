@@ -1,0 +1,37 @@
+"""The spec source: a directory holding ``policy.json`` (or the file itself), read by
+:mod:`policy.spec` without TensorFlow and built by :class:`policy.TFPolicy`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from policy_export.exporter.sources.base import Loaded, Opened, Source, check_values
+
+
+class SpecSource(Source):
+    name = "spec"
+    description = "a spec directory (policy.json)"
+    order = 10
+    stage = "graph build"
+
+    def detect(self, path: Path) -> bool:
+        return (path.is_file() and path.name == "policy.json") or (path / "policy.json").is_file()
+
+    def open(self, path: Path, values: Mapping[str, Any]) -> Opened:
+        from policy_export.policy.spec import load_spec
+
+        return self.opened(load_spec(path), Path(path), values)
+
+    def opened(self, spec: Any, path: Path, values: Mapping[str, Any] = {}) -> Opened:  # noqa: B006 - read only
+        """A :class:`policy.PolicySpec` already parsed (the Python API takes one), as :meth:`open` makes it."""
+        return Opened(self, path, check_values(self, values), {None: spec.observation_space}, spec)
+
+    def load(self, opened: Opened, policy_id: str | None, device: Any) -> Loaded:
+        from policy_export.policy.tf_policy import TFPolicy
+
+        return Loaded(TFPolicy.from_spec(opened.state, device=device.tf_device))
+
+
+SOURCE = SpecSource()

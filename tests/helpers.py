@@ -1,0 +1,100 @@
+"""Helpers the test modules share (never imported from another test module): the command line run
+in-process or as a process, snapshots of a tree, one-line error checks, and an attacker's
+re-signed manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(sys.executable).parent / "policy-export"
+
+
+def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None,
+        isolated: bool = False) -> subprocess.CompletedProcess:
+    if not (isolated or cwd or env_extra or os.environ.get("POLICY_EXPORT_CLI_TESTS_IN_SUBPROCESS")):
+        return _in_process(args)
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
+    env.update(env_extra or {})
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def _in_process(args) -> subprocess.CompletedProcess:
+    """``policy-export ARGS`` run by :func:`policy_export.exporter.cli.main` in this process, its
+    stdout and stderr captured (as text, as a subprocess's would be)."""
+    import contextlib
+    import io
+
+    from policy_export.exporter.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.pop(k) for k in ("GITHUB_STEP_SUMMARY",) if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: usage errors and --help
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["policy-export", *args], code, out.getvalue(), err.getvalue())
+
+
+def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every entry under ``root`` (not following links) with its kind and content digest."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel.split("/")[0] in skip:
+                continue
+            st = os.lstat(full)
+            if os.path.islink(full):
+                out[rel] = "link:" + os.readlink(full)
+            elif os.path.isfile(full):
+                out[rel] = "file:" + hashlib.sha256(full.read_bytes()).hexdigest()
+            elif os.path.isdir(full):
+                out[rel] = "dir"
+            else:
+                out[rel] = f"special:{st.st_mode:o}"
+    return out
+
+
+def one_line_error(proc, code: int, fragment: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def resign(export: Path) -> None:
+    """Rewrite the manifest's file list for the files now present (what an attacker would do)."""
+    doc = json.loads((export / "manifest.json").read_text())
+    from policy_export.exporter import manifest
+
+    doc["files"] = manifest.file_records(export)
+    (export / "manifest.json").write_text(json.dumps(doc, indent=2))
+
+
+def copy_of(exports, name: str, tmp_path: Path) -> Path:
+    _, out = exports(name)
+    copy = tmp_path / name
+    shutil.copytree(out, copy)
+    return copy
+
+
+def verify_cli(*args: str, tmp_path: Path) -> tuple[int, dict]:
+    """``policy-export verify`` in process; returns the exit code and the JSON report."""
+    from policy_export.exporter.cli import main
+
+    report = tmp_path / f"report-{len(list(tmp_path.glob('report-*.json')))}.json"
+    code = main(["verify", *args, "--device", "cpu", "--report-json", str(report)])
+    return code, (json.loads(report.read_text()) if report.exists() else {})

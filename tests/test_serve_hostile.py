@@ -1,0 +1,373 @@
+"""A hostile export or client against ``verify --server triton`` and ``serve``, on the real Triton
+server (PyTriton's ``tritonserver``, the ``serve`` extra).
+
+- An export whose ``triton/`` brings code (a ``model.py`` the Python backend would run, a dot
+  folder, a second model, another version) is never given to the server: its repository is built
+  from the files the manifest's triton record says the format wrote, and the server loads those
+  models by name, with no auto-completed config.
+- A KServe request declaring a huge shape is answered with an error; the server keeps serving.
+- An interrupt (SIGINT, SIGTERM) removes the servers' temporary folders and processes.
+
+The attacker may rewrite the export and its manifest (no ``--expect-manifest-sha256``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import spec_exports
+
+pytest.importorskip("pytriton", reason="PyTriton is not installed (the serve extra: pip install '.[serve]')")
+tritonclient_http = pytest.importorskip("tritonclient.http")
+
+from policy_export.errors import InputError  # noqa: E402
+from policy_export.exporter import manifest  # noqa: E402
+from policy_export.exporter.serve.repository import RepositoryServer  # noqa: E402
+from policy_export.exporter.serve.server import free_port  # noqa: E402
+
+pytestmark = pytest.mark.serve
+SCRIPT = Path(sys.executable).parent / "policy-export"
+NAME = "cartpole_mlp"
+# 108 bytes: one input declared [2^31, 2^31] with one value; tritonserver 2.51 allocates the
+# declared shape from a JSON request before it checks it against the model, and dies
+CRASH = (b'{"id":"000","inputs":[{"name":"observations","shape":[2147483648,2147483648],"datatype":"FP32",'
+         b'"data":[1]}]}')
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    return spec_exports(tmp_path_factory, "serve_hostile", {"formats": ["onnx", "triton"], "samples": 100})(NAME)[1]
+
+
+def _payload(marker: Path) -> str:
+    """A Python-backend model that writes ``marker`` when it is imported or initialised."""
+    return (f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+            "class TritonPythonModel:\n"
+            f"    def initialize(self, args):\n        pathlib.Path({str(marker)!r}).write_text('ran')\n"
+            "    def execute(self, requests):\n        return []\n")
+
+
+def _tamper(export: Path, target: Path, kind: str, marker: Path) -> Path:
+    """A copy of ``export`` with the trigger ``kind`` added and the manifest rewritten to match."""
+    shutil.copytree(export, target)
+    repo = target / "triton"
+    doc = json.loads((target / "manifest.json").read_text())
+    record = doc["formats"]["triton"]
+    config = repo / NAME / "config.pbtxt"
+    if kind in ("code", "code_unlisted"):  # no config: Triton would auto-complete it as a Python model
+        (repo / "zz" / "1").mkdir(parents=True)
+        (repo / "zz" / "1" / "model.py").write_text(_payload(marker))
+        record["files"] += ["triton/zz/1/model.py"] if kind == "code" else []
+    elif kind == "dot_folder":
+        (repo / ".zz" / "1").mkdir(parents=True)
+        (repo / ".zz" / "1" / "model.py").write_text(_payload(marker))
+        (repo / ".zz" / "config.pbtxt").write_text('name: ".zz"\nbackend: "python"\n')
+    elif kind in ("second_model", "second_batched_model"):  # configs this package would write
+        copied = NAME if kind == "second_batched_model" else NAME + "_explore"
+        shutil.copytree(repo / copied, repo / "zz")
+        text = (repo / copied / "config.pbtxt").read_text()
+        (repo / "zz" / "config.pbtxt").write_text(text.replace(f'name: "{copied}"', 'name: "zz"'))
+        record["models"]["zz"] = dict(record["models"][copied], config="zz/config.pbtxt", model="zz/1/model.onnx")
+        record["files"] += ["triton/zz/config.pbtxt", "triton/zz/1/model.onnx"]
+    elif kind in ("extra_version", "version_policy"):
+        config.write_text(config.read_text().replace("versions: [ 1 ]", "versions: [ 1, 2 ]"))
+        if kind == "extra_version":
+            (repo / NAME / "2").mkdir()
+            (repo / NAME / "2" / "model.py").write_text(_payload(marker))
+            record["files"].append(f"triton/{NAME}/2/model.py")
+    doc["files"] = manifest.file_records(target)
+    (target / "manifest.json").write_text(json.dumps(doc, indent=2))
+    return target
+
+
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR for a ``serve`` process: short, as PyTriton's sockets live in the server's folder
+    and an AF_UNIX address holds 107 bytes (a pytest ``tmp_path`` is too long)."""
+    folder = Path(tempfile.mkdtemp(prefix="pe-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)  # (with what other libraries leave in TMPDIR)
+
+
+def _left(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("policy-export-"))
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("code", "triton/zz/1/model.py is listed for the triton format, but is not a file it writes"),
+    ("code_unlisted", "triton/zz (a folder) is not one the manifest records the triton format writing"),
+    ("dot_folder", "triton/.zz (a folder) is not one the manifest records"),
+    ("second_model", "model 'zz' is not one the triton format writes"),
+    ("second_batched_model", f"the manifest's triton record names 2 batched models ('{NAME}', 'zz')"),
+    ("extra_version", f"triton/{NAME}/2/model.py is listed for the triton format"),
+    ("version_policy", "its version policy must select version 1 alone"),
+])
+def test_a_repository_holding_more_than_the_manifest_records_is_not_built(export, tmp_path, monkeypatch, kind,
+                                                                         message):
+    """Each trigger is refused by name before a server starts, and no folder is left."""
+    marker = tmp_path / "ran"
+    out = _tamper(export, tmp_path / "export", kind, marker)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with pytest.raises(InputError) as refused:
+        RepositoryServer(out / "triton", manifest.read_manifest(out)["formats"]["triton"])
+    assert message in str(refused.value) and "the triton repository is not loaded" in str(refused.value)
+    assert not marker.exists() and _left(scratch) == []
+
+
+def test_verify_fails_and_runs_nothing_the_export_brings(export, tmp_path):
+    """``verify --server triton`` on an export whose manifest lists a ``model.py``: the
+    ``triton-repository`` check fails (exit 1), the payload never runs."""
+    marker = tmp_path / "ran"
+    out = _tamper(export, tmp_path / "export", "code", marker)
+    run = subprocess.run([str(SCRIPT), "verify", str(out), "--server", "triton"], capture_output=True, text=True,
+                         timeout=300)
+    text = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1, text[-2000:]
+    assert "triton-repository: InputError: triton/zz/1/model.py is listed for the triton format" in text
+    assert "verify failed" in run.stderr and "Traceback" not in run.stderr
+    assert not marker.exists()
+
+
+def test_the_server_loads_only_the_models_named(export, tmp_path):
+    """Code planted in the server's own copy after it was built (a model with no config, a dot
+    folder, another version) is not loaded: explicit model control, no auto-completed configs."""
+    marker = tmp_path / "ran"
+    server = RepositoryServer(export / "triton", manifest.read_manifest(export)["formats"]["triton"])
+    models = server.work / "models"
+    for folder in ("zz/1", ".zz/1", f"{NAME}/2"):
+        (models / folder).mkdir(parents=True)
+        (models / folder / "model.py").write_text(_payload(marker))
+    (models / ".zz" / "config.pbtxt").write_text('name: ".zz"\nbackend: "python"\n')
+    with server:
+        client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.ports['http']}")
+        assert client.is_model_ready(NAME) and client.is_model_ready(NAME + "_explore")
+        assert not client.is_model_ready("zz") and not client.is_model_ready(".zz")
+        assert not client.is_model_ready(NAME, "2")
+        with pytest.raises(Exception, match="restricted"):  # loading by request is closed too
+            client.load_model("zz")
+        client.close()
+    assert not marker.exists() and not server.work.exists()
+
+
+def _default_signals() -> None:
+    """In the child: SIGINT at its default (a test run in the background inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start(args: list[str], tmp: Path) -> subprocess.Popen:
+    env = dict(os.environ, TMPDIR=str(tmp))
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_signals)
+
+
+def _wait_ready(proc: subprocess.Popen) -> list[str]:
+    lines, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("ready:"):
+            return lines
+    raise AssertionError((lines, proc.stderr.read() if proc.poll() is not None else ""))
+
+
+def _post(port: int, body: bytes) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", "/v2/models/policy/infer", body=body,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_huge_declared_shape_is_refused_and_the_server_keeps_serving(export, short_tmp):
+    """The 108-byte request to ``serve --host 0.0.0.0`` (which warns that anyone reaching the ports
+    can use it): a clean 400, and the next request is answered; the management APIs are closed;
+    SIGINT stops it and removes its folder."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    assert len(CRASH) == 108
+    http_port, grpc_port = free_port(), free_port()
+
+    proc = _start([str(SCRIPT), "serve", str(export), "--host", "0.0.0.0", "--port", str(http_port),
+                   "--grpc-port", str(grpc_port), "--device", "cpu"], short_tmp)
+    try:
+        _wait_ready(proc)
+        assert len(_left(short_tmp)) == 1
+        status, answer = _post(http_port, CRASH)
+        assert status == 400 and "declares 4611686018427387904 elements, more than the request's 108 bytes" \
+            in answer["error"], answer
+        obs = np.zeros((2, 4), np.float32)
+        good = {"inputs": [{"name": "observations", "shape": [2, 4], "datatype": "FP32", "data": obs.ravel().tolist()}]}
+        status, answer = _post(http_port, json.dumps(good).encode())
+        assert status == 200 and [o["shape"] for o in answer["outputs"]][0] == [2, 1], answer
+        # over gRPC the server checks the declared shape itself, and answers
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            request = service_pb2.ModelInferRequest(model_name="policy", raw_input_contents=[b"\0" * 4])
+            request.inputs.add(name="observations", datatype="FP32", shape=[2 ** 31, 2 ** 31])
+            with pytest.raises(grpc.RpcError, match="unexpected shape for input 'observations'"):
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+        assert _post(http_port, CRASH)[0] == 400
+        assert _post(http_port, b"{}") == (400, {"error": "the request has no 'inputs' list"})
+        for method, path, body, headers, status in [
+            ("POST", "/v2/repository/models/zz/load", b"{}", {}, 404),  # model loading (with files) is not served
+            ("POST", "/v2/systemsharedmemory/region/r/register", b"{}", {}, 404),
+            ("POST", "/v2/models/policy/infer", CRASH, {"Content-Encoding": "gzip"}, 415),
+            ("POST", "/v2/models/policy/infer", [CRASH], {"Transfer-Encoding": "chunked"}, 411),
+            ("POST", "/v2/models/policy/infer", CRASH, {"Inference-Header-Content-Length": "109"}, 400),
+        ]:
+            connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+            connection.request(method, path, body=body, headers=headers, encode_chunked="Transfer-Encoding" in headers)
+            assert connection.getresponse().status == status, path
+            connection.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = " ".join(proc.stderr.read().split())
+    assert "serving on 0.0.0.0: anyone who can reach ports" in stderr, stderr[-2000:]
+    assert "stopped" in proc.stdout.read()
+    assert _left(short_tmp) == []
+
+
+STOPPING = """
+import signal, sys, time
+from pathlib import Path
+from policy_export.exporter.manifest import read_manifest
+from policy_export.exporter.serve.repository import RepositoryServer
+from policy_export.exporter.staging import signals_as_interrupts
+
+out = Path(sys.argv[1])
+with signals_as_interrupts():
+    try:
+        with RepositoryServer(out / "triton", read_manifest(out)["formats"]["triton"]) as server:
+            server.process.send_signal(signal.SIGSTOP)  # the server cannot stop: stop() waits for it
+            print(server.process.pid, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+def test_a_signal_while_the_server_stops_leaves_nothing(export, tmp_path):
+    """SIGTERM arriving while the repository server is being stopped (the command waiting for it):
+    its process group is killed and its folder removed."""
+    proc = _start([sys.executable, "-c", STOPPING, str(export)], tmp_path)
+    try:
+        pid = int(proc.stdout.readline())
+        time.sleep(1.0)  # inside stop(), waiting for the stopped server
+        assert len(_left(tmp_path)) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "interrupted" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _left(tmp_path) == []
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists(), "the server process was left"
+
+
+def test_an_interrupted_verify_leaves_no_server_folder(export, short_tmp):
+    """SIGINT while ``verify --server triton`` runs the repository's server: exit 130, every
+    folder of both servers gone."""
+    proc = _start([str(SCRIPT), "verify", str(export), "--server", "triton"], short_tmp)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(short_tmp.glob("policy-export-triton-*/tritonserver.log")) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted by SIGINT" in proc.stderr.read()
+    assert _left(short_tmp) == []
+
+
+def test_serve_interrupted_while_it_starts_leaves_nothing(export, short_tmp):
+    """SIGTERM while PyTriton starts the server (before ``ready``): exit 130, one line saying so,
+    no traceback, the folder gone."""
+    proc = _start([str(SCRIPT), "serve", str(export), "--port", str(free_port()), "--grpc-port", str(free_port()),
+                   "--device", "cpu"], short_tmp)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(short_tmp.glob("policy-export-serve-*/tritonserver.log")) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert "ready:" not in proc.stdout.read()
+    assert _left(short_tmp) == []
+
+
+def test_a_temporary_folder_too_long_for_the_servers_sockets_is_refused(export, tmp_path, monkeypatch):
+    """PyTriton's sockets live in the server's folder: a TMPDIR that makes them longer than an
+    AF_UNIX address is named before the server starts, and nothing is left."""
+    from policy_export.exporter.serve.server import TritonServer
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(InputError, match="more than the 107 a socket address holds: set TMPDIR to a shorter"):
+        TritonServer.start(export, http_port=free_port(), grpc_port=free_port())
+    assert _left(deep) == []
+
+
+@pytest.mark.parametrize("body,message", [
+    (CRASH, "declares 4611686018427387904 elements, more than the request's 108 bytes can carry"),
+    (b'{"inputs":[{"name":"zz","shape":[1000000],"datatype":"FP32","data":[1]}]}', "declares 1000000 elements"),
+    (b'{"inputs":[{"name":"observations","shape":[-1,4],"datatype":"FP32","data":[1]}]}', "non-negative integers"),
+    (b'{"inputs":[{"name":"observations","shape":[true,4],"datatype":"FP32","data":[1]}]}', "non-negative integers"),
+    (b'{"inputs":[{"name":"observations","shape":[1.0,4],"datatype":"FP32","data":[1]}]}', "non-negative integers"),
+    (b'{"inputs":[{"name":"observations","shape":' + b"[1" + b",1" * 16 + b'],"datatype":"FP32","data":[1]}]}',
+     "at most 16"),
+    (b'{"inputs":[{"name":"observations","shape":[1,1,4],"datatype":"FP32","data":[1,2,3,4]}]}',
+     "unexpected shape for input 'observations' for model 'policy'. Expected [-1, 4], got [1, 1, 4]"),
+    (b'{"inputs":[{"name":"observations","shape":[20,4],"datatype":"FP32","parameters":{"binary_data_size":320}}]}'
+     + b"\0" * 320, "batch-size must be <= 16"),
+    (b'{"inputs":{}}', "no 'inputs' list"),
+    (b"[" * 100000, "not a JSON inference request"),
+])
+def test_the_front_refuses_what_the_server_could_not_survive(body, message):
+    """:func:`check_infer` on its own (the live front runs it on every inference request)."""
+    from policy_export.exporter.serve.front import Refused, check_infer
+    from policy_export.exporter.serve.models import ServedModel, Wire
+    from policy_export.signatures.contract import TensorSpec
+
+    model = ServedModel("policy", 16, (Wire(TensorSpec("observations", "float32", (None, 4)), (4,)),), ())
+    header = str(body.index(b"}]}") + 3) if b"binary_data_size" in body else None
+    with pytest.raises(Refused, match=re.escape(message)) as refused:
+        check_infer(model, body, header)
+    assert refused.value.status == 400
+    good = b'{"inputs":[{"name":"observations","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'
+    check_infer(model, good, None)  # what the server may see passes
