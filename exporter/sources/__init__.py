@@ -34,7 +34,7 @@ __all__ = ["Inspection", "Loaded", "Opened", "Option", "Source", "all_sources", 
 
 # one entry per source (a module of this package with a SOURCE), in no particular order: detection
 # goes by each source's ``order``
-PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir")
+PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir", "export_dir")
 _REGISTRY: dict[str, Source] | None = None
 
 
