@@ -230,6 +230,8 @@ def test_progress_lines_and_the_live_counts():
     (lambda p: (p / "policy.json").write_text("{}"), "spec"),
     (lambda p: (p / "rllib_checkpoint.json").write_text("{}"), "checkpoint"),
     (lambda p: (p / "saved_model.pb").write_bytes(b""), "saved_model"),
+    (lambda p: ((p / "saved_model").mkdir(), (p / "saved_model" / "saved_model.pb").write_bytes(b""),
+                (p / "manifest.json").write_text("{}")), "export"),
 ])
 def test_one_detector_names_each_kind_of_source(tmp_path, make, kind):
     """export, inspect and export-many decide what a path is in one place: the sources' registry."""
