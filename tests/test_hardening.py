@@ -226,13 +226,18 @@ def test_signals_as_interrupts_leaves_an_applications_own_handler_alone():
         pass
 
     previous = signal.signal(signal.SIGTERM, mine)
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal gives it (nohup ignores it)
     try:
         with signals_as_interrupts():
             assert signal.getsignal(signal.SIGTERM) is mine
             assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # ignored on entry (nohup): it stays ignored
+        with signals_as_interrupts():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, hangup)
 
 
 # ---------------------------------------------------------------------------- 2. running code from files
