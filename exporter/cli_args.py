@@ -32,8 +32,11 @@ def _parity_options(p: argparse.ArgumentParser, samples_default: int | None) -> 
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="where TF and ONNX Runtime run (default auto: the GPU where one is visible)")
     _tf32_option(p)
+    from policy_export.exporter import formats  # the registry: light, no runtime is imported
+
+    lossy = ", ".join(f.name for f in formats.with_capability("lossy"))
     p.add_argument("--behaviour", action="append", default=[], metavar="[FORMAT:]NAME=VALUE",
-                   help="threshold of a lossy format (tflite_int8, onnx_int8, onnx_fp16; without FORMAT: all): "
+                   help=f"threshold of a lossy format ({lossy}; without FORMAT: all): "
                         "min_agreement (default 0.99) or max_box_error (default 0.02); repeatable")
     p.add_argument("--report-json", metavar="F", help="write the parity report as JSON to F")
     p.add_argument("--junit", metavar="F", help="write JUnit XML (one test case per format and output) to F")
@@ -89,7 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "a full export with clean keys")
     _rollout_parser(sub, common)
     _many_parsers(sub, common)
+    parser.command_parsers = dict(sub.choices)  # name -> its parser (synopsis() reads them)
     return parser
+
+
+def synopsis(width: int = 100) -> str:
+    """Every command's usage, made from the parser (so from the declarations it is built from), as
+    the docs quote it: ``python -m policy_export.exporter.cli_args``."""
+    lines = []
+    for name, command in build_parser().command_parsers.items():
+        command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=width)
+        first, *rest = command.format_usage().rstrip().splitlines()
+        lines += [first.removeprefix("usage: ")] + [line[len("usage: "):] for line in rest]
+    return "\n".join(lines) + "\n"
 
 
 def _many_options(p: argparse.ArgumentParser) -> None:
@@ -130,7 +145,8 @@ def _many_parsers(sub, common) -> None:
 
 
 SOURCE_HELP = ("a spec directory (policy.json, or the file itself), an RLlib checkpoint directory (holding "
-               "rllib_checkpoint.json; read without ray and without running its pickles) or a SavedModel directory")
+               "rllib_checkpoint.json; read without ray and without running its pickles), a SavedModel directory, "
+               "or an export of this package (exported again)")
 
 
 def _export_parser(sub, common, name: str, help_text: str) -> None:
@@ -258,3 +274,7 @@ def _rollout_parser(sub, common) -> None:
                     help="lossy formats: largest relative difference of the mean return from the reference's "
                          f"(default {D.DEFAULT_RETURN_TOLERANCE})")
     _run_timeout_option(ro)
+
+
+if __name__ == "__main__":
+    print(synopsis(), end="")

@@ -44,3 +44,11 @@ def test_every_relative_link_of_the_docs_resolves():
             elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target}: no such heading")
     assert not broken, "\n".join(broken)
+
+
+def test_the_docs_synopsis_is_the_one_the_parser_makes():
+    """docs/ci-gate.md quotes every command's usage as ``python -m policy_export.exporter.cli_args`` prints it."""
+    from policy_export.exporter.cli_args import synopsis
+
+    text = (ROOT / "docs" / "ci-gate.md").read_text()
+    assert "```\n" + synopsis() + "```\n" in text, "run python -m policy_export.exporter.cli_args into docs/ci-gate.md"

@@ -4,7 +4,6 @@ with the single commands' Python API, and report what happened as plain values."
 from __future__ import annotations
 
 import os
-import resource
 import time
 import traceback
 from collections.abc import Mapping
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_export.exporter.many.jobs import Job, record_done
+from policy_export.exporter.progress import peak_rss_mb
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 
@@ -70,7 +70,7 @@ def run_job(job_json: Mapping[str, Any]) -> dict[str, Any]:
         outcome = {"status": ERROR, "failures": [f"internal error: {type(e).__name__}: {e}"],
                    "traceback": traceback.format_exc(limit=20)}
     result = {"name": job.name, "kind": job.kind, "seconds": round(time.perf_counter() - start, 3),
-              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              "peak_rss_mb": round(peak_rss_mb(), 1),
               "pid": os.getpid(), "max_error": None, "failures": [], **outcome}
     if job.kind != "verify" and result["status"] == PASSED:
         record_done(job, result)
