@@ -72,18 +72,9 @@ class SilentProgress(Progress):
 
 
 def peak_rss_mb() -> float:
-    """The process's peak resident memory so far, in MiB: Linux's ``VmHWM`` (this program's own:
-    ``getrusage``'s ``ru_maxrss`` carries over exec the peak of the process that started it), else
-    ``getrusage`` (KiB on Linux, bytes on macOS)."""
+    """The process's peak resident memory so far, in MiB (``getrusage``; Linux reports KiB)."""
     import resource
 
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
