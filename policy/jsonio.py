@@ -87,7 +87,7 @@ def _check_tree(obj: Any) -> str | None:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, str):
-            if not _utf8(node):
+            if not is_utf8(node):
                 return f"string {node[:40]!r} holds an unpaired surrogate; it is not UTF-8 text"
         elif isinstance(node, (dict, list)):
             if depth > MAX_DEPTH:
@@ -100,7 +100,8 @@ def _check_tree(obj: Any) -> str | None:
     return None
 
 
-def _utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates): what a strict JSON file may hold."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

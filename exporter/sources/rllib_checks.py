@@ -33,6 +33,7 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.errors import ExportError
+from policy_export.policy.jsonio import is_utf8
 from policy_export.policy.spaces import leaves
 
 MAX_UNITS = 1 << 16  # the widest layer, cell, filter count, kernel or stride accepted
@@ -246,24 +247,16 @@ def json_value(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (float, np.floating)):
         return float(value) if math.isfinite(float(value)) else _UNSAFE
     if isinstance(value, str):
-        return value if len(value) <= MAX_TEXT and _utf8(value) else _UNSAFE
+        return value if len(value) <= MAX_TEXT and is_utf8(value) else _UNSAFE
     if depth >= MAX_DEPTH or not isinstance(value, (list, tuple, dict)) or len(value) > MAX_ITEMS:
         return _UNSAFE
     if isinstance(value, dict):
-        if not all(isinstance(k, str) and len(k) <= MAX_TEXT and _utf8(k) for k in value):
+        if not all(isinstance(k, str) and len(k) <= MAX_TEXT and is_utf8(k) for k in value):
             return _UNSAFE
         out = {k: json_value(v, depth + 1) for k, v in value.items()}
         return _UNSAFE if any(v is _UNSAFE for v in out.values()) else out
     items = [json_value(v, depth + 1) for v in value]
     return _UNSAFE if any(v is _UNSAFE for v in items) else items
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def recorded(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
