@@ -464,7 +464,7 @@ def _many_options(args) -> dict:
 
 
 def _many_run_options(args) -> dict:
-    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=not args.no_preload,
+    return dict(jobs=args.jobs, ray=args.ray, memory_mb=args.memory_mb, preload=args.preload,
                 policy_timeout=args.policy_timeout)
 
 

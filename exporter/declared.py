@@ -34,23 +34,41 @@ class Option:
     metavar: str | None = None
     rule: Callable[[Any, "Option"], Any] | None = None
     flag_name: str | None = None
+    short: str | None = None  # a one-letter flag besides the long one ("-q")
+    required: bool = False  # a flag the command cannot run without
+    cli: bool = True  # False: a keyword of the Python API (and league files) only
+    league: bool = False  # a league file's entry may set it (the core's options; every source's and format's may)
+    api_type: type | tuple[type, ...] | None = None  # the API's type where it is not the command line's
+
+    @property
+    def python_type(self) -> type | tuple[type, ...]:
+        """The type the Python API (and a league file's JSON) gives the option."""
+        if self.api_type is not None:
+            return self.api_type
+        return {"flag": bool, "list": list, "choice": str}.get(self.kind, self.type)
 
     @property
     def flag(self) -> str:
         return self.flag_name or "--" + self.name.replace("_", "-")
 
-    def add_to(self, parser: Any) -> None:
-        """Add the flag to an argparse parser or group; its value is absent unless given (so that
-        whether it was given is known exactly)."""
-        common = {"dest": self.name, "default": argparse.SUPPRESS, "help": self.help}
+    def add_to(self, parser: Any, keep_default: bool = False) -> None:
+        """Add the flag to an argparse parser or group. Its value is absent unless given (so that
+        whether it was given is known exactly), or the declared default with ``keep_default``."""
+        default = argparse.SUPPRESS
+        if keep_default:
+            default = list(self.default) if self.kind == "list" else self.default
+        common = {"dest": self.name, "default": default, "help": self.help}
+        if self.required:
+            common["required"] = True
+        flags = (self.short, self.flag) if self.short else (self.flag,)
         if self.kind == "flag":
-            parser.add_argument(self.flag, action="store_false" if self.default is True else "store_true", **common)
+            parser.add_argument(*flags, action="store_false" if self.default is True else "store_true", **common)
         elif self.kind == "list":
-            parser.add_argument(self.flag, action="append", type=self.type, metavar=self.metavar, **common)
+            parser.add_argument(*flags, action="append", type=self.type, metavar=self.metavar, **common)
         elif self.kind == "choice":
-            parser.add_argument(self.flag, choices=self.choices, **common)
+            parser.add_argument(*flags, choices=self.choices, **common)
         else:
-            parser.add_argument(self.flag, type=self.type, metavar=self.metavar, **common)
+            parser.add_argument(*flags, type=self.type, metavar=self.metavar, **common)
 
     def check(self, value: Any) -> Any:
         """``value`` checked by the option's ``rule`` (and its kind)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,10 @@ from typing import Any
 
 from policy_export.errors import InputError
 from policy_export.exporter import formats as registry
+from policy_export.exporter import core_options as declared
+from policy_export.exporter.core_options import (  # noqa: F401  (the API's names for them)
+    MAX_SEED, SUPPORTED_OPSETS, check_count, check_opset, check_pin, resolve_formats,
+)
 from policy_export.exporter.defaults import (
     DEFAULT_BATCH, DEFAULT_EXPLORE_SAMPLES, DEFAULT_EXTERNAL_DATA_THRESHOLD, DEFAULT_OBSERVATIONS, DEFAULT_OPSET,
     DEFAULT_EPISODES, DEFAULT_RETURN_TOLERANCE, DEFAULT_SAMPLES, DEFAULT_STEPS,
@@ -30,32 +33,9 @@ from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.parity.compare import Tolerances
 from policy_export.exporter.progress import Progress
 from policy_export.exporter.staging import check_target
-from policy_export.exporter.watchdog import check_run_timeout
-from policy_export.policy.spaces import MAX_SAMPLES, check_sample_budget
+from policy_export.policy.spaces import check_sample_budget
 
-SUPPORTED_OPSETS = range(13, 22)
 ALL_FORMATS = registry.names()  # every registered format, in export order
-MAX_SEED = 2**31 - 1
-
-
-def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a format list (``None`` means the default formats) and put it in export order.
-
-    Raises:
-        InputError: an empty list, an unknown format, or one whose library is not installed (the
-            extra to install named).
-    """
-    if formats is None:
-        return registry.default_names()
-    if isinstance(formats, str) or not formats:
-        raise InputError("formats (--formats) is empty or not a list; name at least one format, or leave it out "
-                         "for the defaults")
-    unknown = [f for f in formats if f not in ALL_FORMATS]
-    if unknown:
-        raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(ALL_FORMATS)}")
-    for name in formats:  # a format whose library is not installed: the extra that brings it
-        registry.get(name).check_installed()
-    return tuple(f for f in ALL_FORMATS if f in formats)
 
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -76,37 +56,6 @@ def serving_name(name: str) -> str:
     return cleaned or "policy"
 
 
-def check_opset(opset: int) -> None:
-    """Raises InputError for an opset outside :data:`SUPPORTED_OPSETS`."""
-    if opset not in SUPPORTED_OPSETS:
-        raise InputError(f"opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
-
-
-def check_count(name: str, value: Any, least: int, most: int | None = None) -> int:
-    """``value`` as an integer option of at least ``least`` (and at most ``most``).
-
-    Raises:
-        InputError: naming the option as the API and the command line spell it.
-    """
-    flag = "--" + name.replace("_", "-")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{name} ({flag}) must be an integer, got {value!r}")
-    if value < least:
-        raise InputError(f"{name} ({flag}) must be at least {least}, got {value}")
-    if most is not None and value > most:
-        raise InputError(f"{name} ({flag}) {value} exceeds the limit of {most}")
-    return value
-
-
-def check_pin(digest: str | None) -> str | None:
-    """An expected manifest sha256 (64 hex digits) in lower case, or ``None``."""
-    if digest is None:
-        return None
-    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdefABCDEF" for c in digest)):
-        raise InputError(f"expected manifest sha256 must be 64 hexadecimal digits, got {digest!r}")
-    return digest.lower()
-
-
 def check_tolerance_keys(tolerances: Tolerances, output_keys: Sequence[str], also: Sequence[str] = ()) -> None:
     """Every output a tolerance names must be one of ``output_keys`` (or ``also``): a typo would
     silently check nothing."""
@@ -115,51 +64,9 @@ def check_tolerance_keys(tolerances: Tolerances, output_keys: Sequence[str], als
         raise InputError(f"tolerance given for unknown output(s) {unknown}; outputs are {list(output_keys)}")
 
 
-def _opset(value: int) -> int:
-    check_opset(value)
-    return value
-
-
 def _model_name(value: str | None) -> str | None:
     if value is not None:
         check_model_name(value)
-    return value
-
-
-def _tolerances(value: Tolerances | None) -> Tolerances | None:
-    if value is not None and not isinstance(value, Tolerances):
-        raise InputError(f"tolerances must be a Tolerances, got {type(value).__name__}")
-    return value
-
-
-def _count(name: str, least: int, most: int | None = None) -> Callable[[Any], int]:
-    return lambda value: check_count(name, value, least, most)
-
-
-def _server(value: str | None) -> str | None:
-    if value not in (None, "triton"):
-        raise InputError(f"server {value!r} is not one of: triton")
-    if value is not None:
-        from policy_export.exporter.compat import require
-
-        require(("pytriton", "tritonclient"), "serve", f"verify --server {value}")
-    return value
-
-
-def _optional(rule: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda value: None if value is None else rule(value)
-
-
-def _return_tolerance(value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise InputError(f"return_tolerance (--return-tolerance) must be a finite number >= 0, got {value!r}")
-    return value
-
-
-def _rollout_formats(value: Sequence[str] | None) -> Sequence[str] | None:
-    if value is not None and (isinstance(value, str) or not value):
-        raise InputError("formats (--formats): give two or more formats, e.g. saved_model,onnx, or leave it out "
-                         "for saved_model,onnx")
     return value
 
 
@@ -203,13 +110,8 @@ class ExportOptions(_Checked):
     model_name: str | None = None
     model_version: int = 1
 
-    RULES = {"formats": resolve_formats, "opset": _opset, "samples": _count("samples", 1, MAX_SAMPLES),
-             "seed": _count("seed", 0, MAX_SEED), "batch_size": _count("batch_size", 1),
-             "explore_samples": _count("explore_samples", 0, MAX_SAMPLES),
-             "stepped_steps": _count("stepped_steps", 0, MAX_SAMPLES),
-             "external_data_threshold": _count("external_data_threshold", 0), "run_timeout": check_run_timeout,
-             "model_name": _model_name, "model_version": _count("model_version", 1, MAX_MODEL_VERSION),
-             "tolerances": _tolerances}
+    RULES = {**declared.rules(declared.EXPORT, __annotations__), "model_name": _model_name,
+             "model_version": lambda value: check_count("model_version", value, 1, MAX_MODEL_VERSION)}
 
     def _check(self, names: Collection[str]) -> None:
         if "formats" in names:  # formats left to the default stay so (skipped, not refused, if unwritable)
@@ -261,9 +163,7 @@ class VerifyOptions(_Checked):
     run_timeout: float | None = None
     server: str | None = None  # "triton": also serve the export and check it through the server's clients
 
-    RULES = {"server": _server, "samples": _count("samples", 0, MAX_SAMPLES), "seed": _count("seed", 0, MAX_SEED),
-             "batch_size": _count("batch_size", 1), "expect_manifest_sha256": check_pin,
-             "run_timeout": check_run_timeout, "tolerances": _tolerances}
+    RULES = declared.rules(declared.VERIFY, __annotations__)
 
     @classmethod
     def make(cls, options: "VerifyOptions | None", keywords: Mapping[str, Any]) -> "VerifyOptions":
@@ -283,9 +183,7 @@ class RolloutOptions(_Checked):
     return_tolerance: float = DEFAULT_RETURN_TOLERANCE
     run_timeout: float | None = None
 
-    RULES = {"formats": _rollout_formats, "episodes": _count("episodes", 1, MAX_SAMPLES),
-             "seed": _count("seed", 0, MAX_SEED), "max_steps": _optional(_count("max_steps", 1)),
-             "return_tolerance": _return_tolerance, "run_timeout": check_run_timeout}
+    RULES = declared.rules(declared.ROLLOUT, __annotations__)
 
     @classmethod
     def make(cls, options: "RolloutOptions | None", keywords: Mapping[str, Any]) -> "RolloutOptions":

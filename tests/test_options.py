@@ -150,3 +150,66 @@ def test_an_option_whose_owner_is_not_in_play_is_refused_naming_it(tmp_path, cap
     assert ("--weights applies to a SavedModel directory (saved_model.pb) only; this source is a spec directory "
             "(policy.json)") in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def _flags(parser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--") and flag not in ("--help", "--debug")}
+
+
+def test_every_flag_of_every_command_is_a_declaration():
+    """No command has a flag of its own making: each is the declaration of the core, a source or a
+    format, and the parser keeps the declaration's default."""
+    from policy_export.exporter import cli_args, core_options, formats, sources
+
+    declared = [o for group in (core_options.EXPORT, core_options.VERIFY, core_options.SERVE, core_options.INSPECT,
+                                core_options.DIFF, core_options.ROLLOUT, core_options.EXPORT_MANY)
+                for o in group if o.cli]
+    declared += [o for s in sources.all_sources() for o in s.options]
+    declared += [o for f in formats.all_formats() for o in f.options]
+    parsers = cli_args.build_parser().command_parsers
+    flags = set().union(*(_flags(p) for p in parsers.values()))
+    assert flags - {"--out"} <= {o.flag for o in declared}
+    assert {o.flag for o in core_options.EXPORT if o.cli} <= _flags(parsers["export"]) == _flags(parsers["convert"])
+    args = parsers["export"].parse_args(["src", "--out", "o"])
+    assert (args.samples, args.seed, args.opset, args.tolerance) == (core_options.SAMPLES.default, 0, 17, [])
+    args = parsers["export-many"].parse_args(["src", "--out", "o", "--no-preload"])
+    assert args.preload is False and parsers["verify-many"].parse_args(["r"]).preload is True
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("seed", -1, "seed (--seed) must be at least 0, got -1"),
+    ("samples", 0, "samples (--samples) must be at least 1, got 0"),
+    ("explore_samples", 10**9, "explore_samples (--explore-samples) 1000000000 exceeds the limit of 1000000"),
+    ("opset", 12, "opset 12 is not supported; choose 13..21"),
+])
+def test_a_declared_rule_refuses_alike_from_the_api_and_the_command_line(tmp_path, capsys, field, value, message):
+    from helpers import cli
+
+    with pytest.raises(InputError, match=re.escape(message)):
+        options.ExportOptions(**{field: value})
+    done = cli("export", str(SPEC), "--out", str(tmp_path / "o"), "--" + field.replace("_", "-"), str(value))
+    assert done.returncode == 2 and message in done.stderr and not (tmp_path / "o").exists()
+
+
+def test_the_rules_of_the_options_classes_are_the_declarations():
+    from policy_export.exporter import core_options
+
+    for cls, group in ((options.ExportOptions, core_options.EXPORT), (options.VerifyOptions, core_options.VERIFY),
+                       (options.RolloutOptions, core_options.ROLLOUT)):
+        fields = {f.name for f in options.dataclasses.fields(cls)}
+        with_rule = {o.name for o in group if o.rule is not None and o.name in fields}
+        assert with_rule and with_rule <= set(cls.RULES)
+    assert options.VerifyOptions(samples=0).samples == 0  # verify's own declaration: 0 is golden inputs only
+    with pytest.raises(InputError, match="return_tolerance"):
+        options.RolloutOptions(return_tolerance=-1.0)
+
+
+def test_the_league_keys_are_made_from_the_declarations():
+    from policy_export.exporter import core_options
+    from policy_export.exporter.many.jobs import league_options
+
+    keys = league_options()
+    assert {o.name for o in core_options.EXPORT if o.league} <= set(keys)
+    assert keys["formats"] is list and keys["samples"] is int and keys["inputs_as_nchw"] is bool
+    assert keys["observation_space"] == (dict, str) and "overwrite" not in keys and "policy_id" not in keys

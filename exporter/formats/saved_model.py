@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from policy_export.exporter.formats.base import Capabilities, ExportContext, Format, FormatRecord
 from policy_export.errors import ExportError, InputError
+
+if TYPE_CHECKING:
+    from policy_export.signatures.contract import Contract
 
 TAG = "serve"  # tf.saved_model.SERVING
 

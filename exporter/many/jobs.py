@@ -44,11 +44,9 @@ HASH_LIMIT = 64 << 30  # bytes of one source's files hashed for the digest
 HASH_FILES = 100_000  # files of one source hashed for the digest
 POLICY_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,128}")  # a policy id as a plain directory name
 RECORD_LIMIT = 64 << 10  # bytes of a record in STATE_DIR
-# the export's own options a league entry may set (keywords of ExportOptions); with them, every
-# option a source or a format declares (league_options), but the policy selection, which is the
-# league's own (``policy_id`` of an entry, one job per policy)
-CORE_OPTIONS = {"formats": list, "samples": int, "explore_samples": int, "seed": int, "opset": int,
-                "batch_size": int, "stepped_steps": int, "inputs_as_nchw": bool}
+# a league entry may set the core's options declared for it (exporter.core_options, league=True)
+# and every option a source or a format declares (league_options), but the policy selection, which
+# is the league's own (``policy_id`` of an entry, one job per policy)
 SELECTION = ("policy_id", "all_policies")
 
 
@@ -59,16 +57,12 @@ def _declared() -> list:
     return [o for s in registry.all_sources() for o in s.options] + [o for f in formats.all_formats() for o in f.options]
 
 
-def _python_type(option) -> type | tuple[type, ...]:
-    if option.metavar == "JSON|FILE":  # a space: the object itself, JSON text, or a file
-        return (dict, str)
-    return {"flag": bool, "list": list, "choice": str}.get(option.kind, option.type)
-
-
 def league_options() -> dict[str, type | tuple[type, ...]]:
     """Option name -> the JSON type a league entry gives it: the export's own, and every option a
     source or a format declares (made from their declarations)."""
-    return {**CORE_OPTIONS, **{o.name: _python_type(o) for o in _declared() if o.name not in SELECTION}}
+    from policy_export.exporter import core_options
+
+    return {**core_options.league(), **{o.name: o.python_type for o in _declared() if o.name not in SELECTION}}
 
 
 def _source_option_names() -> set[str]:

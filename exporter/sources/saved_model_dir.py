@@ -69,9 +69,11 @@ class SavedModelSource(Source):
                "order of names", None, kind="list", metavar="IN_KEY=OUT_KEY", rule=_state_pairs, flag_name="--state"),
         Option("observation_space", "the observation space the graph takes, in policy.json's space "
                "format (JSON text or a .json file); parity samples from it (default: inferred from the tensors)",
-               None, metavar="JSON|FILE", rule=_space),
+               None, metavar="JSON|FILE", rule=_space,
+               api_type=(dict, str)),
         Option("action_space", "the action space the graph computes, same format (default: inferred "
-               "from the tensors; required for a Keras base model)", None, metavar="JSON|FILE", rule=_space),
+               "from the tensors; required for a Keras base model)", None, metavar="JSON|FILE", rule=_space,
+               api_type=(dict, str)),
         Option("weights", "TF1 policy SavedModels: take the variables' values from this tf.compat.v1.train.Saver "
                "checkpoint instead (RLlib <= 2.0's export_checkpoint: its directory, prefix or .index), by variable "
                "name, every one checked before any is assigned", None, metavar="TF1_CHECKPOINT"),

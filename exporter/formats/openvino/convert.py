@@ -32,7 +32,7 @@ import numpy as np
 
 from policy_export.errors import ConversionError, ExportError
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
-from policy_export.exporter.formats.openvino.names import BIN_NAME, XML_NAME
+from policy_export.exporter.formats.openvino.names import XML_NAME
 
 log = logging.getLogger(__name__)
 ONNX_FILENAME = "model.onnx"
