@@ -1,10 +1,13 @@
 """``export-many``/``verify-many`` on a real Ray cluster: a local one on 127.0.0.1 that this module
-starts (``ray start --head --block``) and stops itself, shared by every test."""
+starts (``ray start --head --block``) and stops itself, shared by every test. With a Ray that has
+token authentication (2.52 and later) the cluster requires a token of its own, which the tests'
+drivers find as a user's would (``RAY_AUTH_TOKEN_PATH``; ``RAY_AUTH_MODE`` left unset)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -24,12 +27,14 @@ from conftest import FIXTURES_DIR  # noqa: E402
 from policy_export.exporter import formats, manifest  # noqa: E402
 from policy_export.exporter.many import export_many, verify_many  # noqa: E402
 from policy_export.exporter.many.jobs import STATE_DIR  # noqa: E402
-from policy_export.exporter.many.ray_pool import TASK_NAME  # noqa: E402
+from policy_export.exporter.many.ray_pool import TASK_NAME, _auth_available  # noqa: E402
 
 BIN = Path(sys.executable).parent
 QUICK = dict(samples=100, explore_samples=500, formats=["saved_model", "onnx"])
 POLICIES = 4  # twice the test cluster's CPUs: tasks queue, and each still gets a worker of its own
 TITLE = f"ray::{TASK_NAME}".encode()
+AUTH = _auth_available()
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def _free_port() -> int:
@@ -55,14 +60,23 @@ def _stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def address():
-    """``127.0.0.1:PORT`` of a 2-CPU Ray head node started for this module (its own temp dir)."""
+    """``127.0.0.1:PORT`` of a 2-CPU Ray head node started for this module (its own temp dir); with
+    token authentication on, its token is in a file of that dir, named by ``RAY_AUTH_TOKEN_PATH``
+    in this process while the module runs."""
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
     log = open(Path(temp) / "start.log", "w+")
     command = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
                f"--ray-client-server-port={_free_port()}", "--num-cpus=2", "--include-dashboard=false",
                "--disable-usage-stats", f"--temp-dir={temp}"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in AUTH_VARS}
+    saved = {k: os.environ.pop(k) for k in AUTH_VARS if k in os.environ}
+    if AUTH:
+        token = Path(temp) / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -74,6 +88,13 @@ def address():
         _stop(process)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+        for name in AUTH_VARS:  # as before the module (connecting may have set RAY_AUTH_MODE=token)
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+        if AUTH:
+            from ray._raylet import Config
+
+            Config.initialize("")
 
 
 def _copies(tmp: Path, count: int) -> list[Path]:
@@ -169,10 +190,10 @@ def test_no_cluster_at_the_address_is_an_input_error():
 
 def test_ctrl_c_in_the_driver_cancels_the_running_tasks(tmp_path, address):
     from policy_export.exporter.many.jobs import expand
-    from policy_export.exporter.many.ray_pool import RayPool
+    from policy_export.exporter.many.ray_pool import RayPool, connect
 
     jobs = expand(_copies(tmp_path / "src", 2), tmp_path / "out", QUICK)
-    ray.init(address=address, log_to_driver=False)  # connected already: the pool must leave it connected
+    connect(address)  # connected already (its token too, if it wants one): the pool must leave it connected
     try:
         pool, running = RayPool(address), []
 
@@ -240,7 +261,7 @@ def test_a_broken_policy_fails_with_its_reason_and_the_others_pass(tmp_path, add
     assert not (tmp_path / "out" / STATE_DIR / "broken.json").exists()
 
 
-def _driver(sources: list[Path], root: Path, address: str, log) -> subprocess.Popen:
+def _driver(sources: list[Path], root: Path, address: str, log, env: dict | None = None) -> subprocess.Popen:
     options = ["--samples", str(QUICK["samples"]), "--explore-samples", str(QUICK["explore_samples"]),
                "--formats", ",".join(QUICK["formats"])]
     script = BIN / "policy-export"
@@ -250,8 +271,31 @@ def _driver(sources: list[Path], root: Path, address: str, log) -> subprocess.Po
         code = (f"from policy_export.exporter.many import export_many; export_many({list(map(str, sources))!r}, "
                 f"{str(root)!r}, ray={address!r}, **{QUICK!r})")
         command = [sys.executable, "-c", code]
-    env = {**os.environ, "RAY_ADDRESS": address}
+    env = {**(os.environ if env is None else env), "RAY_ADDRESS": address}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.skipif(not AUTH, reason=f"ray {ray.__version__} has no token authentication (Ray 2.52 and later)")
+@pytest.mark.parametrize("token", ["wrong", "none"])
+def test_a_cluster_refusing_the_drivers_token_is_an_input_error_that_never_shows_it(tmp_path, address, token):
+    wrong = f"not-the-cluster-token-{secrets.token_hex(8)}"
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+    if token == "wrong":
+        env["RAY_AUTH_TOKEN"] = wrong
+    else:  # no token anywhere: none in the environment, and a home without ~/.ray/auth_token
+        env["HOME"] = str(tmp_path)
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = _driver(_copies(tmp_path / "src", 1), tmp_path / "out", address, log, env=env)
+        driver.wait(timeout=120)
+    output = (tmp_path / "driver.log").read_text()
+    assert driver.returncode == 2, output
+    assert "refused the connection: authentication" in output, output
+    assert "RAY_AUTH_TOKEN" in output and "ray get-auth-token" in output, output
+    assert ("does not accept the token" if token == "wrong" else "no token was found") in output, output
+    assert "no Ray cluster" not in output and "Traceback" not in output, output
+    assert wrong not in output and wrong[-16:] not in output
+    assert Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text().strip() not in output
+    assert not (tmp_path / "out" / "p0").exists()
 
 
 def test_a_killed_driver_rerun_skips_what_is_done(tmp_path, address):

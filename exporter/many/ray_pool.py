@@ -25,6 +25,12 @@ tasks on a node than the node's memory holds), and its memory monitor kills a wo
 runs out of memory. Workers' output (TensorFlow's logging) goes to Ray's log files on each node
 (``/tmp/ray/session_latest/logs``), not to the driver's terminal.
 
+A cluster with token authentication (Ray 2.52 and later; on by default for local clusters from
+2.59) gets the user's token as Ray's own commands find it: ``RAY_AUTH_TOKEN``, the file
+``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``; the driver asks the cluster first whether
+it wants one (:func:`_authenticate`). No token, or one the cluster refuses, is an input error that
+says so; the token itself is never printed, logged or reported.
+
 The driver imports Ray and the package's light modules only, never TensorFlow. Works with Ray
 2.9 and later.
 """
@@ -32,6 +38,7 @@ The driver imports Ray and the package's light modules only, never TensorFlow. W
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -50,6 +57,8 @@ WAIT = 1.0  # seconds per wait for a finished task (Ctrl-C is seen between waits
 CONNECT_TIMEOUT = 5.0  # seconds to reach a HOST:PORT address before ray.init
 START_HINT = ("start one with `ray start --head` (on this machine: `ray start --head --node-ip-address=127.0.0.1`), "
               "or give its address with --ray HOST:PORT (or RAY_ADDRESS)")
+AUTH_HINT = ("give the cluster's token as Ray's own commands take it: RAY_AUTH_TOKEN, or a file named by "
+             "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token (`ray get-auth-token` on the head node prints it)")
 
 
 def _end_at(seconds: float | None) -> None:
@@ -95,16 +104,97 @@ def _check_reachable(address: str) -> None:
         raise InputError(f"no Ray cluster at {address} ({e.strerror or e}); {START_HINT}") from None
 
 
-def connect(address: str) -> bool:
-    """Connect this process to the Ray cluster at ``address``; whether this call connected it
-    (``False``: it already was).
+def _auth_available() -> bool:
+    """Whether this Ray has token authentication (2.52 and later)."""
+    try:
+        from ray._private.authentication import authentication_token_setup  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _refused(address: str, why: str) -> InputError:
+    return InputError(f"the Ray cluster at {address!r} refused the connection: authentication {why}; {AUTH_HINT}")
+
+
+def _gcs_refuses(gcs: str, metadata: tuple = ()) -> bool | None:
+    """Whether the cluster's GCS at ``gcs`` (``HOST:PORT``) answers a request sent with ``metadata``
+    "unauthenticated"; ``None``: it could not tell (no answer, or no gRPC)."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    with grpc.insecure_channel(gcs) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_TIMEOUT, metadata=metadata)
+        except grpc.RpcError as e:
+            code = e.code() if callable(getattr(e, "code", None)) else None
+            return True if code == grpc.StatusCode.UNAUTHENTICATED else None
+    return False
+
+
+def _authenticate(address: str) -> bool:
+    """Get this process ready for the cluster at ``address`` if it wants a token (Ray 2.52 and
+    later); whether it does.
+
+    Ray's own rules pick the token, as for its command line: ``RAY_AUTH_TOKEN``, else the file
+    ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token`` (``ray get-auth-token``). A cluster
+    that refuses requests without a token switches this process to token mode (``RAY_AUTH_MODE=token``),
+    unless ``RAY_AUTH_MODE`` says otherwise, as ``ray.init`` itself does for the local cluster;
+    a cluster that needs none is left to Ray's defaults. The token is never shown.
 
     Raises:
-        InputError: no cluster runs there (the message says how to start one).
+        InputError: the cluster wants a token and none is found, token mode is turned off, or it
+            refuses the token found.
+    """
+    if not _auth_available() or address in ("local",) or "://" in address:
+        return False
+    from ray._private import services
+
+    try:
+        gcs = services.canonicalize_bootstrap_address(address)
+    except Exception:  # noqa: BLE001 - ray.init says what is wrong with the address
+        return False
+    if not gcs or not _gcs_refuses(gcs):
+        return False
+    from ray._private.authentication import authentication_token_setup as setup
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    mode = os.environ.get(setup.AUTH_MODE_ENV_VAR)
+    if mode is not None and mode.lower() != "token":
+        raise _refused(address, f"is required, and {setup.AUTH_MODE_ENV_VAR}={mode} turns it off here")
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        loader.reset_cache()
+        if not loader.has_token(ignore_auth_mode=True):
+            raise _refused(address, "is required, and no token was found")
+        if mode is None:
+            os.environ[setup.AUTH_MODE_ENV_VAR] = "token"  # as ray.init does for a local cluster when a token exists
+            Config.initialize("")  # Ray's cached settings see it
+            loader.reset_cache()
+        header = tuple(loader.get_token_for_http_header().items())
+    except ray.exceptions.AuthenticationError as e:  # e.g. RAY_AUTH_TOKEN_PATH names no readable file
+        raise _refused(address, f"failed: {e.message}") from None
+    if _gcs_refuses(gcs, header):
+        raise _refused(address, "failed: the cluster does not accept the token found")
+    return True
+
+
+def connect(address: str) -> bool:
+    """Connect this process to the Ray cluster at ``address``; whether this call connected it
+    (``False``: it already was). A cluster with token authentication gets the user's token
+    (:func:`_authenticate`).
+
+    Raises:
+        InputError: no cluster runs there (the message says how to start one), or it refuses
+            this process (no token, or a wrong one: the message says how to give it).
     """
     if ray.is_initialized():
         return False
     _check_reachable(address)
+    _authenticate(address)
     kwargs: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING, configure_logging=True)
     if "://" not in address:
         kwargs["include_dashboard"] = False
@@ -112,6 +202,8 @@ def connect(address: str) -> bool:
         ray.init(address=address, **kwargs)
     except ConnectionError as e:
         raise InputError(f"no Ray cluster to connect to at {address!r} ({e}); {START_HINT}") from None
+    except getattr(ray.exceptions, "AuthenticationError", ()) as e:
+        raise _refused(address, f"failed ({e.message})") from None
     return True
 
 
