@@ -310,7 +310,8 @@ def _inspect_source(args, console) -> int | None:
     if source is None:
         return None
     opened = source.open(Path(args.path), {})
-    _heavy_imports(args)
+    if not source.light_inspect:
+        _heavy_imports(args)
     shown = source.inspect(opened)
     if args.json:
         print(json.dumps(shown.json, indent=2))

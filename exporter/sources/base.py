@@ -78,6 +78,7 @@ class Source:
     stage: str = "load"  # the progress stage of loading one policy
     reference: str = "the TF session"  # what parity compares every format with, for the reports
     shows_itself: bool = False  # inspect shows the source (inspect()) rather than a model's contract
+    light_inspect: bool = False  # inspect() imports no TensorFlow
 
     def detect(self, path: Path) -> bool:
         raise NotImplementedError
@@ -127,3 +128,16 @@ def check_values(source: Source, values: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise InputError(f"{', '.join(unknown)}: not an option of {source.description}")
     return {name: (option.check(values[name]) if name in values else option.default) for name, option in own.items()}
+
+
+# the options of both RLlib checkpoint sources (the old API stack's and the new one's), declared once
+CHECKPOINT_OPTIONS = (
+    Option("policy_id", "the policy (the new API stack: the module) to export (default: the only one)", None,
+           metavar="ID"),
+    Option("all_policies", "one export per policy (module) id, at OUT/<id>/", False, kind="flag"),
+    Option("use_filter", "leave RLlib's observation filter (MeanStdFilter) out of the graph (the export then takes "
+           "filtered observations)", True, kind="flag", flag_name="--no-filter"),
+    Option("actions", "serve the action the environment takes (unsquashed to the action space's bounds with "
+           "normalize_actions, clipped with clip_actions; the default) or the policy's own (as the policy or "
+           "module computes it)", "environment", kind="choice", choices=("environment", "policy")),
+)

@@ -47,7 +47,8 @@ from policy_export.exporter.sources.safe_pickle import short_repr
 from policy_export.exporter.sources.rllib import flatten_like_preprocessor, preprocessor_width
 from policy_export.exporter.sources import rllib_layout as layout
 from policy_export.exporter.sources.rllib_attention import ATTENTION_DEFAULTS, AttentionConfig, attention_step
-from policy_export.exporter.sources.rllib_checks import MAX_INT, check_policy, json_value, recorded
+from policy_export.exporter.sources.rllib_checks import MAX_INT, check_policy, filter_record, json_value, recorded
+from policy_export.exporter.sources.rllib_checks import safe_value as _safe
 from policy_export.exporter.sources.rllib_layout import Layout, named_weights
 from policy_export.exporter.sources.rllib_nets import (
     NetWeights, conv_filters, ddpg_actor, fcnet, lstm_step, q_values, visionnet,
@@ -571,30 +572,6 @@ def eager_layout(policy: CheckpointPolicy, kind: str) -> Layout:
 
 def _extras(deterministic: dict[str, tf.Tensor], net: _Net) -> dict[str, tf.Tensor]:
     return {k: deterministic[k] for k in net.extras}
-
-
-def filter_record(state: FilterState | None) -> dict[str, Any] | None:
-    """The filter's statistics as the manifest records them: each value only as JSON the strict
-    reader reads back (a count of more than 18 digits, a non-finite clip, a mean or standard
-    deviation with a non-finite value are written as null; a served filter is checked finite
-    before any of this, :func:`~exporter.sources.rllib_checks.check_policy`)."""
-    if state is None:
-        return None
-    count = _safe(state.n)
-    with np.errstate(all="ignore"):  # the standard deviation of a count out of range is not computed
-        mean = np.asarray(state.mean, np.float64)
-        std = np.asarray(state.std if isinstance(count, int) else np.nan, np.float64)
-    return {"class": state.kind, "source": state.source, "demean": bool(state.demean), "destd": bool(state.destd),
-            "count": count, "clip": _safe(state.clip),
-            "mean": mean.tolist() if np.all(np.isfinite(mean)) else None,
-            "std": std.tolist() if np.all(np.isfinite(std)) else None,
-            "formula": "(x - mean) / (std + 1e-6), then clip to [-clip, clip] when clip is set"}
-
-
-def _safe(value: Any) -> Any:
-    """``value`` as the strict JSON reader reads it back, else None."""
-    found = json_value(value)
-    return found if isinstance(found, (bool, int, float, str)) else None
 
 
 def _record(policy: CheckpointPolicy, kind: str, model: dict[str, Any], weights: NetWeights, use_filter: bool,

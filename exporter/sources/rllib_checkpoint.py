@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_export.errors import ExportError, InputError, UnsafeCheckpointError
-from policy_export.exporter.sources.base import Inspection, Loaded, Opened, Option, Source, check_values
+from policy_export.exporter.sources.base import CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Source, check_values
 
 log = logging.getLogger(__name__)
 # the default parity tolerance of a policy with RLlib's vision net: it takes raw pixel values
@@ -32,15 +32,7 @@ class CheckpointSource(Source):
     stage = "rebuild policy"
     reference = "the rebuilt policy's TF session"
     shows_itself = True
-    options = (
-        Option("policy_id", "the policy to export (default: the only one)", None, metavar="ID"),
-        Option("all_policies", "one export per policy id, at OUT/<policy id>/", False, kind="flag"),
-        Option("use_filter", "leave RLlib's observation filter out of the graph (the export then takes "
-               "filtered observations)", True, kind="flag", flag_name="--no-filter"),
-        Option("actions", "serve the action the environment takes (unsquashed to the action space's "
-               "bounds with normalize_actions, clipped with clip_actions; the default) or the policy's own (as "
-               "policy.compute_actions returns it)", "environment", kind="choice", choices=("environment", "policy")),
-    )
+    options = CHECKPOINT_OPTIONS
 
     def detect(self, path: Path) -> bool:
         from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint

@@ -269,3 +269,27 @@ def recorded(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         else:
             kept[key] = safe
     return kept, sorted(left)
+
+
+def filter_record(state: Any) -> dict[str, Any] | None:
+    """The filter's statistics as the manifest records them: each value only as JSON the strict
+    reader reads back (a count of more than 18 digits, a non-finite clip, a mean or standard
+    deviation with a non-finite value are written as null; a served filter is checked finite
+    before any of this, :func:`~exporter.sources.rllib_checks.check_policy`)."""
+    if state is None:
+        return None
+    count = safe_value(state.n)
+    with np.errstate(all="ignore"):  # the standard deviation of a count out of range is not computed
+        mean = np.asarray(state.mean, np.float64)
+        std = np.asarray(state.std if isinstance(count, int) else np.nan, np.float64)
+    return {"class": state.kind, "source": state.source, "demean": bool(state.demean), "destd": bool(state.destd),
+            "count": count, "clip": safe_value(state.clip),
+            "mean": mean.tolist() if np.all(np.isfinite(mean)) else None,
+            "std": std.tolist() if np.all(np.isfinite(std)) else None,
+            "formula": "(x - mean) / (std + 1e-6), then clip to [-clip, clip] when clip is set"}
+
+
+def safe_value(value: Any) -> Any:
+    """``value`` as the strict JSON reader reads it back, else None."""
+    found = json_value(value)
+    return found if isinstance(found, (bool, int, float, str)) else None

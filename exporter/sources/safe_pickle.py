@@ -69,8 +69,16 @@ INERT_PREFIXES = ("ray.", "cloudpickle.", "gymnasium.spaces.", "gym.spaces.", "p
 NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric", "numpy._core.numeric",
                  "numpy")
 DEFAULTDICT_FACTORIES = (int, float, list, dict, set, str)
-# single globals read as inert records too (a framework("tf2") optimizer state wraps callables in them)
-INERT_NAMES = {("functools", "partial")}
+# single globals read as inert records too: a framework("tf2") optimizer state wraps callables in
+# functools.partial; a pickled gymnasium space (RLlib's new API stack keeps its spaces so) holds
+# its random generator, numpy's bit generator and seed sequence; RLlib's NumpyToTensor connector
+# keeps a torch.device. Names only: nothing is imported or called
+INERT_NAMES = {("functools", "partial"), ("torch", "device"),
+               ("numpy.random._pickle", "__generator_ctor"), ("numpy.random._pickle", "__bit_generator_ctor"),
+               ("numpy.random._pickle", "__randomstate_ctor"), ("numpy.random.bit_generator", "SeedSequence"),
+               ("numpy.random.bit_generator", "__pyx_unpickle_SeedSequence"), ("numpy.random._pcg64", "PCG64"),
+               ("numpy.random._pcg64", "PCG64DXSM"), ("numpy.random._mt19937", "MT19937"),
+               ("numpy.random._philox", "Philox"), ("numpy.random._sfc64", "SFC64")}
 # cloudpickle's builders of a class or function pickled by value (an eager policy class RLlib made
 # with build_tf_policy: DQN's, SAC's... ``as_eager().with_tracing()``): inside their arguments the
 # pickle holds the class's functions, their code and the globals they use, read as names only
