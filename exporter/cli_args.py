@@ -62,22 +62,36 @@ def _many_parsers(sub, common) -> None:
 
 
 SOURCE_HELP = ("a spec directory (policy.json, or the file itself), an RLlib checkpoint directory (holding "
-               "rllib_checkpoint.json; read without ray and without running its pickles), a SavedModel directory, "
-               "or an export of this package (exported again)")
+               "rllib_checkpoint.json; the old API stack's or the new one's, ray 2.1-2.60; read without ray or "
+               "torch and without running its pickles), an RLModule directory, a SavedModel directory, or an "
+               "export of this package (exported again)")
 
 
 def _export_parser(sub, common, name: str, help_text: str) -> None:
     """``export`` and its alias ``convert``: the same options, for every source. The options a
     source owns are declared by the source (:mod:`exporter.sources`) and listed in a group of its own."""
     from policy_export.exporter import core_options as core
-    from policy_export.exporter import sources
 
     ex = sub.add_parser(name, parents=[common], help=help_text)
     ex.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     core.add(ex, core.EXPORT)
-    _declared_groups(ex, [(f"{s.description} only", s.options) for s in sources.all_sources()])
+    _declared_groups(ex, source_option_groups())
     _declared_groups(ex, format_option_groups())
+
+
+def source_option_groups() -> list[tuple[str, tuple]]:
+    """The options the sources own, one group per set of sources that declare them: (title, options)."""
+    from policy_export.exporter import sources
+
+    owners: dict[int, tuple[object, list[str]]] = {}
+    for source in sources.all_sources():
+        for option in source.options:
+            owners.setdefault(id(option), (option, []))[1].append(source.description)
+    groups: dict[tuple[str, ...], list] = {}
+    for option, names in owners.values():
+        groups.setdefault(tuple(names), []).append(option)
+    return [(f"{' and '.join(names)} only", tuple(options)) for names, options in groups.items()]
 
 
 def format_option_groups() -> list[tuple[str, tuple]]:
