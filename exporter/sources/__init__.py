@@ -19,6 +19,8 @@ The modules the plugins use:
                         rllib_layout.py names a framework("tf2") checkpoint's unnamed weights
     saved_model_dir.py  a SavedModel: legacy.py (a TF1 policy graph, RLlib <= 2.0) or keras.py (a
                         Keras base model, RLlib >= 2.1); lstm_step.py rebuilds a recurrent loop
+    rlmodule/           RLlib's new API stack (torch RLModules): reader.py reads a checkpoint without
+                        ray, torch or pickle; graph.py rebuilds each default module as a TF graph
     rllib.py            a live RLlib TF policy (``from_rllib``: a Python object, not a path)
 """
 
@@ -34,7 +36,7 @@ __all__ = ["Inspection", "Loaded", "Opened", "Option", "Source", "all_sources", 
 
 # one entry per source (a module of this package with a SOURCE), in no particular order: detection
 # goes by each source's ``order``
-PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir", "export_dir")
+PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir", "export_dir", "rlmodule")
 _REGISTRY: dict[str, Source] | None = None
 
 
