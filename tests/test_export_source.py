@@ -59,6 +59,7 @@ def test_the_manifest_pin_and_foreign_options_are_checked_first(small, tmp_path)
     assert wrong.returncode == 2 and f"does not have the sha256 {'0' * 64}" in wrong.stderr, wrong.stderr
     foreign = cli("export", str(original), "--out", str(tmp_path / "b"), "--policy-id", "x", *FAST)
     assert foreign.returncode == 2, foreign.stderr
-    assert ("--policy-id applies to an RLlib checkpoint (rllib_checkpoint.json) only; this source is an export of "
+    assert ("--policy-id applies to an RLlib new API stack checkpoint (torch RLModules) and an RLlib checkpoint "
+            "(rllib_checkpoint.json) only; this source is an export of "
             "this package") in foreign.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
