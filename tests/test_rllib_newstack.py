@@ -308,3 +308,22 @@ def test_an_old_stack_checkpoint_is_not_taken_for_a_new_one():
     assert sources.detect(NEWSTACK / "appo_discrete/checkpoint").name == "rlmodule"
     with pytest.raises(UnsafeCheckpointError, match="not a checkpoint of RLlib's new API stack"):
         read_module_checkpoint(old)
+
+
+def test_activations_are_torchs_by_rllibs_names():
+    """RLlib's torch activations by the names its config takes, with torch's defaults."""
+    import tensorflow as tf
+
+    from policy_export.exporter.sources.rlmodule.graph import TORCH_ACTIVATIONS, ModuleConfig
+
+    x = tf.constant([-2.0, -0.5, 0.0, 1.5])
+    got = {name: TORCH_ACTIVATIONS[name](x).numpy() for name in ("LeakyReLU", "GELU", "swish", "Mish")}
+    v = np.array([-2.0, -0.5, 0.0, 1.5])
+    from math import erf
+
+    np.testing.assert_allclose(got["LeakyReLU"], np.where(v > 0, v, 0.01 * v), rtol=1e-6)
+    np.testing.assert_allclose(got["GELU"], [0.5 * a * (1 + erf(a / np.sqrt(2))) for a in v], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["swish"], v / (1 + np.exp(-v)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["Mish"], v * np.tanh(np.log1p(np.exp(v))), rtol=1e-5, atol=1e-7)
+    with pytest.raises(Exception, match="'hardswish' is not an activation rebuilt here"):
+        ModuleConfig({"fcnet_activation": "hardswish"}, "module 'm'").activation("fcnet_activation")

@@ -29,7 +29,6 @@ from policy_export.errors import ExportError, WeightsError
 from policy_export.exporter.sources.checkpoint import FilterState
 from policy_export.exporter.sources.checkpoint_policy import _observations, environment_actions, filtered
 from policy_export.exporter.sources.rlmodule.reader import DEFAULT_MODEL_CONFIG, ModuleCheckpoint, ModuleSpec
-from policy_export.exporter.sources.rllib_nets import activation_fn
 from policy_export.policy.distributions import ActionDistribution, OneLeaf, SquashedGaussian
 from policy_export.policy.head import action_head
 from policy_export.policy.tf_policy import TFPolicy, session_config
@@ -39,6 +38,15 @@ from policy_export.signatures.keys import (
 
 tf1 = tf.compat.v1
 
+# RLlib's get_activation_fn(name, framework="torch"): a torch.nn class by its own name first, then
+# these lower-case names; each as TF computes it (torch's defaults: LeakyReLU's slope 0.01, exact GELU)
+TORCH_ACTIVATIONS = {
+    None: None, "linear": None, "swish": tf.nn.silu, "silu": tf.nn.silu, "relu": tf.nn.relu, "tanh": tf.tanh,
+    "elu": tf.nn.elu, "ReLU": tf.nn.relu, "Tanh": tf.tanh, "ELU": tf.nn.elu, "SiLU": tf.nn.silu,
+    "Sigmoid": tf.sigmoid, "SELU": tf.nn.selu, "Softplus": tf.nn.softplus, "Softsign": tf.nn.softsign,
+    "ReLU6": tf.nn.relu6, "GELU": lambda x: tf.nn.gelu(x, approximate=False),
+    "LeakyReLU": lambda x: tf.nn.leaky_relu(x, alpha=0.01), "Mish": lambda x: x * tf.tanh(tf.nn.softplus(x)),
+}
 LAYERNORM_EPS = 1e-3  # TorchMLP's LayerNorm (ray.rllib.core.models.torch.primitives)
 ACTIONS = ("environment", "policy")
 GREEDY = {"dqn": "DQN explores epsilon-greedily on a schedule of the training step; the export serves the greedy "
@@ -87,7 +95,13 @@ class ModuleConfig:
         return [int(v) for v in value]
 
     def activation(self, key: str):
-        return activation_fn(self.values[key], f"{self.where}: {key}")
+        name = self.values[key]
+        if name in TORCH_ACTIVATIONS:
+            return TORCH_ACTIVATIONS[name]
+        if isinstance(name, str) and name.lower() in ("linear",):
+            return None
+        raise ExportError(f"{self.where}: {key} {str(name)[:40]!r} is not an activation rebuilt here "
+                          f"({', '.join(k for k in TORCH_ACTIVATIONS if k)})")
 
     def flag(self, key: str) -> bool:
         value = self.values[key]
