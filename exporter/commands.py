@@ -119,7 +119,8 @@ def _export_options(args):
                          explore_samples=args.explore_samples, inputs_as_nchw=args.inputs_as_nchw,
                          external_data_threshold=args.external_data_threshold, progress=args.progress,
                          run_timeout=args.run_timeout, model_name=getattr(args, "model_name", None),
-                         model_version=getattr(args, "model_version", 1), **_behaviour_option(args))
+                         model_version=getattr(args, "model_version", 1), observations=args.observations,
+                         **_behaviour_option(args))
 
 
 def _source_values(args) -> dict:
@@ -168,10 +169,32 @@ def _print_result(console, source, pid, result) -> None:
     title = (f"{'' if pid is None else f'policy {pid}: '}parity: {result.parity.samples} samples vs "
              f"{source.reference}{where}")
     console.print(parity_table(result.parity, title))
+    recorded = recorded_line(result.parity, (result.manifest.get("parity") or {}).get("recorded"))
+    if recorded:
+        console.print(escape(recorded), soft_wrap=True)
     for line in source.summary(result.manifest.get("source")):
         console.print(escape(one_line(line)), soft_wrap=True)
     console.print(f"exported [bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)} "
                   f"({len(result.files)} files)", soft_wrap=True)
+
+
+def recorded_line(report, record) -> str | None:
+    """One line on the recorded group, apart from the space's samples: how many rows of which
+    files, the worst error per format on them, and whether every format passed there."""
+    from policy_export.exporter.parity.compare import recorded_summary
+
+    summary = recorded_summary(report)
+    if not summary or not record:
+        return None
+    worst = []
+    for fmt, entry in summary.items():
+        errors = [(v.get("max_abs_err", 0.0), k) for k, v in entry["outputs"].items() if "max_abs_err" in v]
+        shown = f"{max(errors)[0]:.2g} ({max(errors)[1]})" if errors else \
+            ", ".join(f"{k} {v['metric']} {v['value']:.2%}" for k, v in entry["outputs"].items())
+        worst.append(f"{fmt} {shown}{'' if entry['passed'] else ' FAILED'}")
+    files = ", ".join(Path(f["path"]).name for f in record.get("files", []))
+    return (f"on your observations ({record.get('rows')} rows of {files}; {record.get('out_of_bounds', 0)} outside the "
+            f"space's bounds): " + "; ".join(worst))
 
 
 def _partial_status(console, result, args) -> int:
@@ -197,6 +220,7 @@ def cmd_verify(args, console) -> int:
                          expect_manifest_sha256=args.expect_manifest_sha256,
                          candidates=parse_candidates(args.candidate), localize=args.localize,
                          progress=args.progress, run_timeout=args.run_timeout, server=args.server,
+                         observations=args.observations,
                          **_behaviour_option(args))
     _check_report_paths(args, args.out)
     candidates = opts.candidates

@@ -169,6 +169,16 @@ BATCH_SIZE = Option("batch_size", "rows per runtime call during parity", D.DEFAU
                     rule=_counted(1), cli=False, league=True)
 STEPPED_STEPS = Option("stepped_steps", "consecutive steps of stepped parity (recurrent policies)", D.DEFAULT_STEPS,
                        type=int, rule=_counted(0, MAX_SAMPLES), cli=False, league=True)
+def _observations(value: Any, option: Option) -> Any:
+    from policy_export.exporter.recorded import check_paths
+
+    return check_paths(value)
+
+
+OBSERVATIONS = Option("observations", "recorded observations to check every format on, besides the space's "
+                      "samples: .npy, .npz (arrays named as the policy's inputs), RLlib's offline .json or .parquet; "
+                      "repeatable; up to --samples rows are kept (a fixed sub-sample of larger files)", None,
+                      kind="list", metavar="FILE", rule=_observations, league=True, api_type=list)
 TOLERANCES = Option("tolerances", "a Tolerances (the command line makes it from --atol, --rtol, --tolerance and "
                     "--allow-non-finite)", rule=_tolerances, cli=False)
 ATOL = Option("atol", f"default absolute tolerance ({D.DEFAULT_ATOL:g})", type=float, metavar="X")
@@ -194,7 +204,7 @@ QUIET = Option("quiet", "no progress on stderr (by default each stage is shown w
 
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,
-          TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET)
+          OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET)
 
 VERIFY = (
     Option("seed", f"seed of fresh samples (default {D.VERIFY_SEED})", D.VERIFY_SEED, type=int, metavar="S",
@@ -211,6 +221,9 @@ VERIFY = (
            choices=("triton",), rule=_server),
     Option("samples", "observations sampled for parity (default 0: golden inputs only)", 0, type=int, metavar="N",
            rule=_counted(0, MAX_SAMPLES)),
+    Option("observations", "recorded observations to check every format on against the SavedModel (besides the "
+           "rows the export stored): .npy, .npz, RLlib's offline .json or .parquet; repeatable; up to 1000 rows "
+           "kept per run (a fixed sub-sample of larger files)", None, kind="list", metavar="FILE", rule=_observations),
     Option("batch_size", "rows per runtime call during parity", D.DEFAULT_BATCH, type=int, rule=_counted(1),
            cli=False),
     TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET)

@@ -56,7 +56,7 @@ class Option:
         whether it was given is known exactly), or the declared default with ``keep_default``."""
         default = argparse.SUPPRESS
         if keep_default:
-            default = list(self.default) if self.kind == "list" else self.default
+            default = list(self.default) if self.kind == "list" and self.default is not None else self.default
         common = {"dest": self.name, "default": default, "help": self.help}
         if self.required:
             common["required"] = True

@@ -149,12 +149,20 @@ class _Export:
                                  model_version=opts.model_version)
         self.timings: dict[str, float] = {}
         self.missing: dict[str, str] = {}
+        self.recorded = None
+        if opts.observations:  # read before anything is written: a file that does not fit is bad input
+            from policy_export.exporter.recorded import read_recorded
+
+            with _stage(self.timings, "read observations", self.progress):
+                self.recorded = read_recorded(opts.observations, policy.observation_space, self.signature.contract,
+                                              opts.samples, opts.seed, getattr(policy, "name", None))
 
     def run(self) -> ExportResult:
         with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite, checked=True) as stage:
             records = self._write_formats(stage)
             start = time.perf_counter()
-            plan, explore = reference.session_plan(self.policy, self.signature.contract, self.opts, self.progress)
+            plan, explore = reference.session_plan(self.policy, self.signature.contract, self.opts, self.progress,
+                                                   self.recorded)
             report = ParityReport("tf_session", self.opts.samples, self.opts.seed, self.device.to_json())
             info = {k: r.details for k, r in records.items()}
             checks = replay.Replay(plan, self.signature.contract, self.tolerances, self.opts.batch_size, explore,
@@ -200,6 +208,8 @@ class _Export:
                                                        encoding="utf-8")
         doc = _manifest(self.policy, self.signature, records, self.opts.opset, self.tolerances, report)
         doc["parity"]["plan"] = parity_manifest_record(plan)
+        if plan.recorded is not None:
+            doc["parity"]["recorded"] = plan.recorded.record
         if self.thresholds:
             doc["behaviour"] = behaviour_thresholds.to_json(self.thresholds)
             doc["parity"]["behaviour"] = behaviour_thresholds.summarize(report.behaviour)

@@ -109,6 +109,7 @@ class ExportOptions(_Checked):
     run_timeout: float | None = None
     model_name: str | None = None
     model_version: int = 1
+    observations: Sequence[str | Path] | None = None
 
     RULES = {**declared.rules(declared.EXPORT, __annotations__), "model_name": _model_name,
              "model_version": lambda value: check_count("model_version", value, 1, MAX_MODEL_VERSION)}
@@ -162,6 +163,7 @@ class VerifyOptions(_Checked):
     behaviour: Mapping[str, Mapping[str, float]] | None = None
     run_timeout: float | None = None
     server: str | None = None  # "triton": also serve the export and check it through the server's clients
+    observations: Sequence[str | Path] | None = None  # recorded observations, checked against the SavedModel
 
     RULES = declared.rules(declared.VERIFY, __annotations__)
 

@@ -15,6 +15,7 @@ from typing import Any
 from policy_export.errors import ExportError, InputError, ParityFailedError
 from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
+from policy_export.exporter.defaults import DEFAULT_SAMPLES
 from policy_export.exporter.devices import DevicePlan, plan_devices
 from policy_export.exporter.options import VerifyOptions, check_tolerance_keys
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
@@ -159,6 +160,8 @@ class _Verify:
             notes += check_server(self.out, self.doc, self.opts.server, checks, report, self.device)
         if self.opts.samples > 0 and not report.errors:
             notes.append(self._fresh_samples(checks))
+        if self.opts.observations and not report.errors:
+            notes.append(self._fresh_samples(checks, recorded=True))
         if self.opts.localize:
             with self.progress.stage("localize"):
                 notes.append(self._localize(check, checks.plan.golden_inputs))
@@ -185,9 +188,10 @@ class _Verify:
         return "localize: " + "; ".join(e.get("describe") or f"{e['format']}: {e.get('error')}"
                                         for e in self.report.localization)
 
-    def _fresh_samples(self, checks: replay.Replay) -> str:
+    def _fresh_samples(self, checks: replay.Replay, recorded: bool = False) -> str:
         """Compare the formats (or candidates) with the SavedModel (else the frozen graph) on new
-        samples; returns a note saying what was compared."""
+        samples, or on the rows of ``--observations`` (``recorded``); returns a note saying what
+        was compared."""
         doc, samples, seed = self.doc, self.opts.samples, self.opts.seed
         references = registry.with_capability("reference", doc["formats"])
         if not references:
@@ -199,10 +203,23 @@ class _Verify:
         else:
             others = [replay.Opened(f.name, f, self.out / f.path)
                       for f in registry.with_capability("signature", doc["formats"]) if f is not ref]
-        with checks.progress.stage("fresh samples", samples * (1 + len(others))) as task:
-            feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(self.out / manifest.MANIFEST))
-            replay.check_fresh_samples(feeds, replay.Opened(ref.name, ref, self.out / ref.path), others, doc,
+        if recorded:
+            from policy_export.exporter.recorded import read_recorded
+            from policy_export.policy.spaces import space_from_json
+
+            space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(self.out))
+            rows = read_recorded(self.opts.observations, space, checks.contract, DEFAULT_SAMPLES, seed)
+            feeds, samples = rows.inputs, rows.rows
+        with checks.progress.stage("recorded" if recorded else "fresh samples", samples * (1 + len(others))) as task:
+            if not recorded:
+                feeds = replay.fresh_feeds(doc, checks.contract, samples, seed, str(self.out / manifest.MANIFEST))
+            label = f"{ref.name} (recorded)" if recorded else ref.name  # "onnx vs saved_model (recorded)"
+            replay.check_fresh_samples(feeds, replay.Opened(label, ref, self.out / ref.path), others, doc,
                                        self.device, checks, self.report, task)
+        if recorded:
+            self.report.recorded = rows.record
+            return (f"recorded: {samples} rows of {', '.join(str(p) for p in self.opts.observations)} "
+                    f"({rows.record['out_of_bounds']} outside the space's bounds), each format against {ref.name}")
         return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref.name}"
 
 

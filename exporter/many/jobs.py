@@ -133,8 +133,12 @@ def read_league(path: Path) -> list[dict[str, Any]]:
         for key in ("name", "policy_id"):
             if key in entry and not isinstance(entry[key], str):
                 raise InputError(f"{where}: {key!r} must be a string")
+        options = _options(entry.get("options"), where)
+        if isinstance(options.get("observations"), list):  # files named relative to the league file, as sources are
+            options["observations"] = [str(path.parent / p) if isinstance(p, str) else p
+                                       for p in options["observations"]]
         out.append({"source": (path.parent / entry["source"]), "name": entry.get("name"),
-                    "policy_id": entry.get("policy_id"), "options": _options(entry.get("options"), where)})
+                    "policy_id": entry.get("policy_id"), "options": options})
     return out
 
 

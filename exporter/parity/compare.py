@@ -136,6 +136,7 @@ class ParityReport:
     exploration: list[Any] = field(default_factory=list)  # exploration.ExplorationCheck
     localization: list[dict[str, Any]] = field(default_factory=list)  # localize.Localization.to_json()
     behaviour: list[Any] = field(default_factory=list)  # behaviour.BehaviourCheck (lossy formats)
+    recorded: dict[str, Any] | None = None  # the user's recorded observations: files, rows, bounds
 
     @property
     def passed(self) -> bool:
@@ -153,7 +154,30 @@ class ParityReport:
                 "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records],
                 "exploration": [c.to_json() for c in self.exploration],
                 "behaviour": [c.to_json() for c in self.behaviour],
-                "localization": list(self.localization)}
+                "localization": list(self.localization), "recorded": self.recorded,
+                "on_recorded": recorded_summary(self)}
+
+
+RECORDED = " (recorded)"
+
+
+def recorded_summary(report: "ParityReport") -> dict[str, Any] | None:
+    """The recorded group alone ("on your data", apart from "on the space"): per format, the worst
+    error per output and whether it passed; None without recorded rows."""
+    rows = [r for r in report.records if r.format.endswith(RECORDED)]
+    checks = [c for c in report.behaviour if getattr(c, "format", "").endswith(RECORDED)]
+    if not rows and not checks:
+        return None
+    out: dict[str, Any] = {}
+    for r in rows:
+        entry = out.setdefault(r.format[:-len(RECORDED)], {"passed": True, "outputs": {}})
+        entry["outputs"][r.key] = {"max_abs_err": r.max_abs_err, "atol": r.atol, "rtol": r.rtol, "passed": r.passed}
+        entry["passed"] = entry["passed"] and r.passed
+    for c in checks:
+        entry = out.setdefault(c.format[:-len(RECORDED)], {"passed": True, "outputs": {}})
+        entry["outputs"][c.key] = {"metric": c.metric, "value": c.value, "threshold": c.threshold, "passed": c.passed}
+        entry["passed"] = entry["passed"] and c.passed
+    return out
 
 
 def sampling_space(space: gym.Space) -> gym.Space:

@@ -7,6 +7,10 @@
 - ``parity/exploration.npz`` (policies with an ``explore`` input): the probe observations
   (``probe/<key>``), how many draws each gets (``draws_per_observation``) and the session's own
   sampled actions and distribution inputs for them (``session/<key>``);
+- ``parity/recorded.npz`` (``--observations``): the rows kept of the user's recorded observations
+  (``inputs/<key>``), which rows of each file they are (``indices/<file number>``) and the
+  session's outputs on them (``outputs/<key>``); the manifest's ``parity.recorded`` names each
+  file with its sha256;
 - ``parity/stepped.npz`` (recurrent policies): the step sequences ``inputs/<key>`` as
   ``[steps, sequences, ...]`` (observations, ``prev_action``, ``prev_reward``, ``seq_lens``), the
   initial state (``initial_state/<i>``), the session's per-step outputs on its serving graph
@@ -43,6 +47,7 @@ GOLDEN_INPUTS = "parity/inputs.npz"
 GOLDEN_OUTPUTS = "parity/outputs.npz"
 EXPLORATION = "parity/exploration.npz"
 STEPPED = "parity/stepped.npz"
+RECORDED = "parity/recorded.npz"
 from policy_export.signatures.keys import ACTION_DIST_INPUTS  # noqa: E402
 
 
@@ -181,6 +186,42 @@ class SteppedPlan:
 
 
 @dataclass
+class RecordedPlan:
+    """The user's recorded observations (the rows kept) and the session's outputs on them."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    indices: list[np.ndarray] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.inputs.values())))
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {**{f"inputs/{k}": v for k, v in self.inputs.items()},
+                **{f"outputs/{k}": v for k, v in self.outputs.items()},
+                **{f"indices/{i}": np.asarray(rows, np.int64) for i, rows in enumerate(self.indices)}}
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], contract: Contract, record: Any,
+                    where: str) -> "RecordedPlan":
+        """Raises:
+            ExportError: the arrays are not recorded rows for this contract."""
+        inputs, outputs = _prefixed(arrays, "inputs/"), _prefixed(arrays, "outputs/")
+        if not inputs or not outputs:
+            raise ExportError(f"{where}: expected inputs/ and outputs/ arrays")
+        indices = _prefixed(arrays, "indices/")
+        plan = cls(inputs, outputs, [indices[k] for k in sorted(indices, key=lambda k: int(k) if k.isdigit() else -1)],
+                   record if isinstance(record, dict) else {})
+        _check_rows(where, "inputs", inputs, plan.rows)
+        _check_rows(where, "outputs", outputs, plan.rows)
+        _check_against_contract(where, "inputs", inputs, contract, inputs=True)
+        _check_against_contract(where, "outputs", outputs, contract, inputs=False)
+        return plan
+
+
+@dataclass
 class ParityPlan:
     """Everything ``export`` checked and ``verify`` replays; the parts a policy has no use for are None."""
 
@@ -188,6 +229,7 @@ class ParityPlan:
     golden_outputs: dict[str, np.ndarray]
     exploration: ExplorationPlan | None = None
     stepped: SteppedPlan | None = None
+    recorded: RecordedPlan | None = None
 
     def describe(self) -> list[str]:
         """One line per part: what is replayed, or why a part is absent."""
@@ -206,6 +248,11 @@ class ParityPlan:
                          + (" and its training-time graph" if s.training else ""))
         else:
             lines.append("stepped: none in the plan")
+        if self.recorded is not None:
+            r = self.recorded.record
+            files = ", ".join(f"{f.get('path')} ({f.get('kept')} of {f.get('rows')} rows)" for f in r.get("files", []))
+            lines.append(f"recorded: {self.recorded.rows} rows of your observations ({files}; "
+                         f"{r.get('out_of_bounds', 0)} outside the space's bounds)")
         return lines
 
 
@@ -217,13 +264,16 @@ def write_plan(root: Path, plan: ParityPlan) -> None:
         manifest.save_npz(root / EXPLORATION, plan.exploration.to_arrays(), compressed=True)
     if plan.stepped is not None:
         manifest.save_npz(root / STEPPED, plan.stepped.to_arrays(), compressed=True)
+    if plan.recorded is not None:
+        manifest.save_npz(root / RECORDED, plan.recorded.to_arrays(), compressed=True)
 
 
 def manifest_record(plan: ParityPlan) -> dict[str, Any]:
     """What the manifest says about the plan (``parity.plan``): the file of each part, or None."""
     return {"golden": [GOLDEN_INPUTS, GOLDEN_OUTPUTS],
             "exploration": EXPLORATION if plan.exploration is not None else None,
-            "stepped": STEPPED if plan.stepped is not None else None}
+            "stepped": STEPPED if plan.stepped is not None else None,
+            "recorded": RECORDED if plan.recorded is not None else None}
 
 
 def planned_files(doc: Mapping[str, Any]) -> dict[str, str | None]:
@@ -234,13 +284,13 @@ def planned_files(doc: Mapping[str, Any]) -> dict[str, str | None]:
         ExportError: ``parity.plan`` names a file the manifest does not list, or is malformed.
     """
     record = (doc.get("parity") or {}).get("plan") if isinstance(doc.get("parity"), dict) else None
-    parts: dict[str, str | None] = {"exploration": None, "stepped": None}
+    parts: dict[str, str | None] = {"exploration": None, "stepped": None, "recorded": None}
     if record is None:
         return parts
     if not isinstance(record, dict):
         raise ExportError("manifest parity.plan: expected an object")
     listed = {f["path"] for f in doc["files"]}
-    expected = {"exploration": EXPLORATION, "stepped": STEPPED}
+    expected = {"exploration": EXPLORATION, "stepped": STEPPED, "recorded": RECORDED}
     for part, path in expected.items():
         value = record.get(part)
         if value is None:
@@ -274,6 +324,9 @@ def load_plan(root: Path, doc: Mapping[str, Any], check: manifest.FileCheck, act
                                                        batch_size, contract, EXPLORATION)
     if parts["stepped"]:
         plan.stepped = SteppedPlan.from_arrays(manifest.load_npz(root / STEPPED), contract, STEPPED)
+    if parts["recorded"]:
+        record = (doc.get("parity") or {}).get("recorded")
+        plan.recorded = RecordedPlan.from_arrays(manifest.load_npz(root / RECORDED), contract, record, RECORDED)
     return plan
 
 

@@ -17,7 +17,7 @@ from policy_export.exporter.defaults import DEFAULT_OBSERVATIONS, DEFAULT_SEQUEN
 from policy_export.exporter import formats
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, compare_arrays, run_batched, sample_inputs
 from policy_export.exporter.parity.exploration import logp_of_given_actions, rounding_allowance, within_allowance
-from policy_export.exporter.parity.plan import ExplorationPlan, ParityPlan, SteppedPlan
+from policy_export.exporter.parity.plan import ExplorationPlan, ParityPlan, RecordedPlan, SteppedPlan
 from policy_export.exporter.parity.stepped import run_stepped, run_training_graph, stepped_inputs
 from policy_export.exporter.progress import Counted, Progress
 from policy_export.signatures.contract import Contract
@@ -25,15 +25,19 @@ from policy_export.signatures.keys import ACTION_DIST_INPUTS, ACTION_LOGP, EXPLO
 
 
 
-def session_plan(policy, contract: Contract, opts, progress: Progress) -> tuple[ParityPlan, "ExploreSetup | None"]:
+def session_plan(policy, contract: Contract, opts, progress: Progress,
+                 recorded: Any = None) -> tuple[ParityPlan, "ExploreSetup | None"]:
     """The parity plan of ``policy`` for the export options ``opts`` (an
     :class:`exporter.options.ExportOptions`), the session's rows counted on ``progress``; and the
-    exploration setup that also scores each format's own samples (``None`` without exploration)."""
+    exploration setup that also scores each format's own samples (``None`` without exploration).
+    ``recorded`` (the user's recorded observations, read: ``inputs``, ``indices``, ``record``)
+    joins the plan as its own group, with the session's outputs on it."""
     explores = opts.explore_samples > 0 and EXPLORE in contract.input_keys
     steps = policy.is_recurrent and policy.sequence_graph is not None and opts.stepped_steps > 0
     rows = (opts.samples * (1 + sum(fmt.reference_passes(policy) for fmt in formats.all_formats()))
             + (_explore_rows(opts.samples, opts.explore_samples) if explores else 0)
-            + (opts.stepped_steps * DEFAULT_SEQUENCES if steps else 0))
+            + (opts.stepped_steps * DEFAULT_SEQUENCES if steps else 0)
+            + (recorded.rows if recorded is not None else 0))
     with progress.stage("parity session", rows) as task:
         run = Counted(policy.run, task)
         golden_in = sample_inputs(policy.observation_space, policy.action_space, contract, opts.samples, opts.seed)
@@ -47,6 +51,9 @@ def session_plan(policy, contract: Contract, opts, progress: Progress) -> tuple[
             initial = policy.get_initial_state()
             plan.stepped = SteppedPlan(inputs, initial, run_stepped(run, inputs, initial),
                                        run_training_graph(policy, inputs, policy.sequence_graph_chunk))
+        if recorded is not None:
+            plan.recorded = RecordedPlan(recorded.inputs, run_batched(run, recorded.inputs, opts.batch_size),
+                                         recorded.indices, recorded.record)
     return plan, explore
 
 

@@ -71,6 +71,8 @@ class Replay:
         if self.plan.stepped is not None and fmt.capabilities.steps_state:
             first = next(iter(self.plan.stepped.inputs.values()))
             n += first.shape[0] * first.shape[1]
+        if self.plan.recorded is not None:
+            n += self.plan.recorded.rows
         return n
 
     def counted(self, runner):
@@ -97,13 +99,30 @@ class Replay:
         got = run_batched(runner, self.plan.golden_inputs, self.batch_size)
         if fmt.capabilities.lossy:
             self._check_behaviour(label, fmt, runner, got, report, keys)
+            self._check_recorded(label, fmt, runner, report, keys)
             return
         report.records.extend(compare(label, self.plan.golden_outputs, got, self.tolerances, keys, self.contract))
+        self._check_recorded(label, fmt, runner, report, keys)
         if self.explore is not None and fmt.explores(self.formats_info.get(fmt.name)):
             self.explore.check(label, runner, self.tolerances, report)
         if self.plan.stepped is not None and fmt.capabilities.steps_state:
             self.plan.stepped.check(label, runner, self.tolerances, report, keys)
 
+
+    def _check_recorded(self, label: str, fmt: Format, runner, report: ParityReport, keys) -> None:
+        """The user's recorded observations, as a group of their own (``<format> (recorded)``)."""
+        recorded = self.plan.recorded
+        if recorded is None:
+            return
+        got = run_batched(runner, recorded.inputs, self.batch_size)
+        if fmt.capabilities.lossy:
+            from policy_export.exporter.parity.behaviour import compare_behaviour
+
+            report.behaviour.extend(compare_behaviour(f"{label} (recorded)", recorded.outputs, got, keys,
+                                                      self.action_space, self.thresholds(fmt)))
+            return
+        report.records.extend(compare(f"{label} (recorded)", recorded.outputs, got, self.tolerances, keys,
+                                      self.contract))
 
     def thresholds(self, fmt: Format):
         from policy_export.exporter.parity.behaviour import Thresholds
@@ -204,7 +223,7 @@ def check_fresh_samples(feeds: Mapping[str, np.ndarray], reference: Opened, othe
                         task: Task | None = None) -> None:
     """Run ``feeds`` through the reference and each other model and compare; a model that cannot
     be opened or run is recorded in ``report.errors``. ``task`` (a progress stage) is advanced by
-    the rows run."""
+    the rows run. Each comparison is labelled ``<model> vs <reference>``."""
     def counted(runner):
         return runner if task is None else Counted(runner, task)
 
@@ -221,8 +240,8 @@ def check_fresh_samples(feeds: Mapping[str, np.ndarray], reference: Opened, othe
                     f"{other.label} vs {reference.label}", expected, got, replay.output_keys(other.fmt),
                     replay.action_space, replay.thresholds(other.fmt)))
                 return
-            report.records.extend(compare(f"{other.label} vs {reference.label}", expected, got, replay.tolerances,
-                                          replay.output_keys(other.fmt), replay.contract))
+            report.records.extend(compare(f"{other.label} vs {reference.label}", expected, got,
+                                          replay.tolerances, replay.output_keys(other.fmt), replay.contract))
         _guarded(f"{other.label} vs {reference.label}", report, True, run)
 
 

@@ -1,0 +1,42 @@
+"""A recorded file's arrays as columns read in chunks (the readers' common type)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CHUNK_ROWS = 1 << 16  # rows read at a time while a file is streamed
+
+
+@dataclass
+class Column:
+    """One array of a file, read in chunks: ``rows`` rows of ``shape`` and ``dtype``."""
+
+    key: str
+    rows: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: Any  # () -> iterator of arrays [k, *shape], in row order
+    optional: bool = False  # a column the policy may not take (RLlib's prev_actions): left out then
+
+
+def chunked(array: np.ndarray) -> Iterator[np.ndarray]:
+    for start in range(0, len(array), CHUNK_ROWS):
+        yield array[start:start + CHUNK_ROWS]
+
+
+def in_memory(key: str, array: np.ndarray, optional: bool = False) -> Column:
+    """A column of an array already read (a decoded RLlib batch)."""
+    return Column(key, len(array), tuple(array.shape[1:]), array.dtype, lambda: chunked(array), optional)
+
+
+def columns_of(mapping: Mapping[str, np.ndarray]) -> dict[str, Column]:
+    return {k: in_memory(k, v) for k, v in mapping.items()}
+
+
+def lazy(key: str, rows: int, shape: tuple[int, ...], dtype: np.dtype, chunks: Any, optional: bool = False) -> Column:
+    """A column read again, in chunks, each time it is read (a file's second pass)."""
+    return Column(key, rows, shape, np.dtype(dtype), chunks, optional)
