@@ -30,7 +30,6 @@ from tests.checkpoint_matrix import (
     ATOL, CASES, CHECKPOINTS, OnnxPolicy, case_record, expected_outputs, onnx_errors, passes, raw_observations,
 )
 
-FAST = ExportOptions(samples=200, explore_samples=1000)
 ONNX_ONLY = ExportOptions(formats=["onnx"], samples=200, explore_samples=1000)  # what the RLlib comparison runs
 PARAMS = [(case, pid) for case in CASES for pid in case_record(case)["policy_ids"]]
 
@@ -123,7 +122,7 @@ def test_the_filter_and_its_statistics_are_in_the_contract(exported):
 def test_no_filter_takes_rllibs_filteredraw_observations(tmp_path):
     expected = expected_outputs("ppo_filter")
     out = tmp_path / "raw"
-    convert_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint", out, use_filter=False, device="cpu", options=FAST)
+    convert_checkpoint(CHECKPOINTS / "ppo_filter/checkpoint", out, use_filter=False, device="cpu", options=ONNX_ONLY)
     policy = OnnxPolicy(out)
     got = policy.run({"observations": expected["default_policy/filtered"]})
     np.testing.assert_array_equal(got["actions_0"], expected["default_policy/actions"])
@@ -136,7 +135,7 @@ def test_no_filter_takes_rllibs_filteredraw_observations(tmp_path):
 def test_a_policy_checkpoint_without_its_filter_says_so(tmp_path):
     out = tmp_path / "o"
     run = cli("convert", str(CHECKPOINTS / "policy_no_connectors/checkpoint"), "--out", str(out), "--samples", "100",
-              "--explore-samples", "500", "--device", "cpu")
+              "--explore-samples", "500", "--device", "cpu", "--formats", "onnx")
     assert run.returncode == 0, run.stderr
     assert "connectors off carries no observation filter" in run.stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -147,7 +146,7 @@ def test_a_policy_checkpoint_without_its_filter_says_so(tmp_path):
 
 def test_all_policies_one_export_each(tmp_path):
     results = convert_checkpoint_policies(CHECKPOINTS / "multi_agent/checkpoint", tmp_path / "league", device="cpu",
-                                          options=FAST)
+                                          options=ONNX_ONLY)
     assert sorted(results) == ["alpha", "beta"]
     sizes = {}
     for pid in results:
@@ -163,7 +162,7 @@ def test_a_failing_policy_leaves_no_export_behind(tmp_path):
     checkpoint.policies[last].config["model"]["custom_model"] = "MyNet"
     out = tmp_path / "league"
     with pytest.raises(ExportError, match="custom model 'MyNet'"):
-        convert_checkpoint_policies(checkpoint, out, device="cpu", options=FAST)
+        convert_checkpoint_policies(checkpoint, out, device="cpu", options=ONNX_ONLY)
     assert not out.exists()
 
 
@@ -294,12 +293,14 @@ def test_a_directory_of_checkpoints_names_them(tmp_path):
 def test_checkpoint_options_on_a_saved_model_are_refused(tmp_path):
     saved_model = CHECKPOINTS.parent / "legacy_algos" / "dqn_plain" / "saved_model"  # RLlib 2.0.1's export
     run = cli("convert", str(saved_model), "--out", str(tmp_path / "o"), "--no-filter")
-    assert run.returncode == 2 and "--no-filter applies to an RLlib checkpoint (rllib_checkpoint.json) only" in run.stderr, run.stderr
+    assert run.returncode == 2, run.stderr
+    assert ("--no-filter applies to an RLlib new API stack checkpoint (torch RLModules) and an RLlib checkpoint "
+            "(rllib_checkpoint.json) only") in run.stderr, run.stderr
 
 
 def test_cli_all_policies(tmp_path):
     run = cli("convert", str(CHECKPOINTS / "multi_agent/checkpoint"), "--out", str(tmp_path / "o"), "--all-policies",
-              "--samples", "100", "--explore-samples", "500", "--device", "cpu")
+              "--samples", "100", "--explore-samples", "500", "--device", "cpu", "--formats", "onnx")
     assert run.returncode == 0, run.stderr
     assert "MeanStdFilter (n=" in run.stdout
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["alpha", "beta"]

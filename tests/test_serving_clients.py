@@ -34,22 +34,57 @@ ORT_TYPES = {"float16": "tensor(float16)", "float32": "tensor(float)", "float64"
              "int8": "tensor(int8)", "int16": "tensor(int16)", "int32": "tensor(int32)",
              "int64": "tensor(int64)", "uint8": "tensor(uint8)", "bool": "tensor(bool)"}
 
-# Run in a separate, plain TF2 process: load the TF1 SavedModel eagerly, record the signature
-# function's input signature, call it once with the feeds in FEEDS_NPZ and save what it returns.
+# Run in a separate, plain TF2 process: for each job of the JSON list in argv[1] (one export each),
+# load the TF1 SavedModel eagerly, record the signature function's input signature, call it once
+# with the job's feeds and save what it returns; a job that fails leaves its traceback in its
+# error file and the others still run. (One process serves every export: TF's import is most of
+# a client's time.)
 TF2_CLIENT = """
-import json, sys
+import json, sys, traceback
 import numpy as np
 import tensorflow as tf
 
-saved_model, feeds_npz, outputs_npz, signature_json = sys.argv[1:5]
-fn = tf.saved_model.load(saved_model).signatures["serving_default"]
-args, kwargs = fn.structured_input_signature
-with open(signature_json, "w") as f:
-    json.dump({"positional": len(args),
-               "inputs": {k: [s.dtype.name, s.shape.as_list()] for k, s in kwargs.items()}}, f)
-with np.load(feeds_npz) as data:
-    feeds = {k: tf.constant(data[k]) for k in data.files}
-np.savez(outputs_npz, **{k: v.numpy() for k, v in fn(**feeds).items()})
+for job in json.load(open(sys.argv[1])):
+    try:
+        fn = tf.saved_model.load(job["saved_model"]).signatures["serving_default"]
+        args, kwargs = fn.structured_input_signature
+        with open(job["signature"], "w") as f:
+            json.dump({"positional": len(args),
+                       "inputs": {k: [s.dtype.name, s.shape.as_list()] for k, s in kwargs.items()}}, f)
+        with np.load(job["feeds"]) as data:
+            feeds = {k: tf.constant(data[k]) for k in data.files}
+        np.savez(job["outputs"], **{k: v.numpy() for k, v in fn(**feeds).items()})
+    except Exception:
+        with open(job["error"], "w") as f:
+            f.write(traceback.format_exc())
+"""
+
+# Run in a separate process: the installed ``saved_model_cli`` script (argv[1]) run as its own
+# ``__main__`` with ``show --dir <saved_model> --all`` for each SavedModel in argv[3:], its exit
+# code, stdout and stderr per SavedModel written to the JSON file argv[2]. (One process runs the
+# script for every export: TF's import is most of a run's time.)
+SAVED_MODEL_CLI = """
+import contextlib, io, json, runpy, sys, traceback
+
+script, results = sys.argv[1:3]
+shown = {}
+for saved_model in sys.argv[3:]:
+    sys.argv = [script, "show", "--dir", saved_model, "--all"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except Exception:  # what the script would die of, with its traceback
+            traceback.print_exc()
+            code = 1
+    shown[saved_model] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+with open(results, "w") as f:
+    json.dump(shown, f)
 """
 
 
@@ -138,15 +173,69 @@ def action_bounds(space: dict) -> tuple[np.ndarray, np.ndarray]:
     pytest.fail(f"no bounds check for action leaf type {kind}: extend action_bounds")
 
 
-def run_tf2_client(out: Path, feeds: dict[str, np.ndarray], tmp: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Run TF2_CLIENT over ``out/saved_model``; returns (input signature, outputs)."""
-    np.savez(tmp / "feeds.npz", **feeds)
-    args = [str(out / "saved_model"), str(tmp / "feeds.npz"), str(tmp / "outputs.npz"), str(tmp / "signature.json")]
-    proc = subprocess.run([sys.executable, "-c", TF2_CLIENT, *args], cwd=tmp, env=client_env(),
+def tf2_feeds(out: Path) -> dict[str, np.ndarray]:
+    """The golden required inputs and, for every optional input, its default from the manifest.
+
+    A TF1 SavedModel loaded in TF2 gives a pruned wrapped function whose arguments are *all* the
+    signature inputs, none with a default: calling it without ``explore``, ``is_training`` or
+    ``timestep`` raises "TypeError: missing a required argument: 'explore'", although they are
+    placeholder_with_default in the graph. So a TF2 client must pass every optional input; we pass
+    the defaults from the manifest contract (explore=False: deterministic actions)."""
+    contract = read_manifest(out)["contract"]
+    feeds = required_feeds(contract, golden(out)[0])
+    feeds.update({s["key"]: default_value(s) for s in contract["inputs"] if not s["required"]})
+    return feeds
+
+
+def run_tf2_client(exports: dict[str, Path], tmp: Path) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """Run TF2_CLIENT once over ``<export>/saved_model`` of every export; returns the process and,
+    per name, the job's files (``signature``, ``outputs``, ``error``)."""
+    jobs = {}
+    for name, out in exports.items():
+        job = {key: str(tmp / f"{name}-{key}{ext}") for key, ext in
+               (("feeds", ".npz"), ("outputs", ".npz"), ("signature", ".json"), ("error", ".txt"))}
+        job["saved_model"] = str(out / "saved_model")
+        np.savez(job["feeds"], **tf2_feeds(out))
+        jobs[name] = job
+    (tmp / "jobs.json").write_text(json.dumps(list(jobs.values())), encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-c", TF2_CLIENT, str(tmp / "jobs.json")], cwd=tmp, env=client_env(),
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert proc.returncode == 0, f"TF2 client failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    signature = json.loads((tmp / "signature.json").read_text(encoding="utf-8"))
-    return signature, read_npz(tmp / "outputs.npz")
+    return proc, jobs
+
+
+@pytest.fixture(scope="module")
+def tf2_client(exports, tmp_path_factory):
+    """``tf2_client(name)`` -> (input signature, outputs) the plain TF2 process got for the export."""
+    proc, jobs = run_tf2_client({name: exports(name)[1] for name in FIXTURES}, tmp_path_factory.mktemp("tf2_client"))
+
+    def get(name: str) -> tuple[dict, dict[str, np.ndarray]]:
+        assert proc.returncode == 0, f"TF2 client failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        job = jobs[name]
+        error = Path(job["error"])
+        assert not error.exists(), f"TF2 client failed on {name}:\n{error.read_text(encoding='utf-8')[-4000:]}"
+        signature = json.loads(Path(job["signature"]).read_text(encoding="utf-8"))
+        return signature, read_npz(Path(job["outputs"]))
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def saved_model_cli(exports, tmp_path_factory):
+    """``saved_model_cli(name)`` -> what ``saved_model_cli show --dir <export>/saved_model --all``
+    gave (``returncode``, ``stdout``, ``stderr``); the script run for every export in one process."""
+    cli = Path(sys.executable).parent / "saved_model_cli"
+    if not cli.is_file():
+        pytest.skip(f"saved_model_cli is not installed next to {sys.executable}")
+    dirs = {name: str(exports(name)[1] / "saved_model") for name in FIXTURES}
+    results = tmp_path_factory.mktemp("saved_model_cli") / "shown.json"
+    proc = subprocess.run([sys.executable, "-c", SAVED_MODEL_CLI, str(cli), str(results), *dirs.values()],
+                          env=client_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+
+    def get(name: str) -> dict:
+        assert proc.returncode == 0, f"saved_model_cli runner failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        return json.loads(results.read_text(encoding="utf-8"))[dirs[name]]
+
+    return get
 
 
 def cli_tensor_text(spec: dict) -> str:
@@ -159,16 +248,12 @@ def cli_tensor_text(spec: dict) -> str:
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_saved_model_cli_shows_the_contract(exports, name):
-    cli = Path(sys.executable).parent / "saved_model_cli"
-    if not cli.is_file():
-        pytest.skip(f"saved_model_cli is not installed next to {sys.executable}")
+def test_saved_model_cli_shows_the_contract(exports, saved_model_cli, name):
     _, out = exports(name)
     contract = read_manifest(out)["contract"]
-    proc = subprocess.run([str(cli), "show", "--dir", str(out / "saved_model"), "--all"],
-                          env=client_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
-    assert proc.returncode == 0, f"saved_model_cli failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    text = proc.stdout
+    shown = saved_model_cli(name)
+    assert shown["returncode"] == 0, f"saved_model_cli failed ({shown['returncode']}):\n{shown['stderr'][-4000:]}"
+    text = shown["stdout"]
     assert "MetaGraphDef with tag-set: 'serve'" in text
     assert "signature_def['serving_default']:" in text
     # only the serving_default block counts: its inputs, outputs and method name
@@ -184,18 +269,11 @@ def test_saved_model_cli_shows_the_contract(exports, name):
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_plain_tf2_process_reproduces_golden_outputs(exports, name, tmp_path):
+def test_plain_tf2_process_reproduces_golden_outputs(exports, tf2_client, name):
     _, out = exports(name)
     contract = read_manifest(out)["contract"]
-    golden_in, golden_out = golden(out)
-    # A TF1 SavedModel loaded in TF2 gives a pruned wrapped function whose arguments are *all*
-    # the signature inputs, none with a default: calling it without ``explore``, ``is_training``
-    # or ``timestep`` raises "TypeError: missing a required argument: 'explore'", although they
-    # are placeholder_with_default in the graph. So a TF2 client must pass every optional input;
-    # we pass the defaults from the manifest contract (explore=False: deterministic actions).
-    feeds = required_feeds(contract, golden_in)
-    feeds.update({s["key"]: default_value(s) for s in contract["inputs"] if not s["required"]})
-    signature, got = run_tf2_client(out, feeds, tmp_path)
+    _, golden_out = golden(out)
+    signature, got = tf2_client(name)  # called with every input: see tf2_feeds
     assert signature["positional"] == 0
     expected_sig = {s["key"]: [s["dtype"], s["shape"]] for s in contract["inputs"]}
     assert signature["inputs"] == expected_sig, "the loaded signature's inputs differ from the contract"
