@@ -158,7 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fixtures only, no scaling runs")
     parser.add_argument("--sizes", default=",".join(SCALES), metavar="LIST",
                         help=f"scaling sizes to run, from {','.join(SCALES)} (default all)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results.json"), metavar="F")
+    parser.add_argument("--json", default=None, metavar="F",
+                        help="where the results go (default benchmarks/results.json; with --quick, nowhere unless "
+                             "given: a quick run does not replace the full run's figures the docs quote)")
     parser.add_argument("--scale-run", nargs=3, metavar=("MODE", "SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -238,8 +240,12 @@ def main(argv=None) -> int:
             peaks.add_row(s["name"], *[f"{s.get('stage_peak_rss_mb', {}).get(n, 0):.0f}" for n in stage_names])
         if stage_names:
             console.print(peaks)
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
+    target = args.json or (None if args.quick else str(ROOT / "benchmarks" / "results.json"))
+    if target is None:
+        console.print("a --quick run: benchmarks/results.json left as the full run wrote it (--json F to keep this one)")
+        return 0
+    Path(target).write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"wrote {target}")
     return 0
 
 

@@ -39,3 +39,4 @@ def test_benchmark_entry_point_help():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 0 and "--quick" in proc.stdout
+    assert "with --quick, nowhere unless given" in " ".join(proc.stdout.split())

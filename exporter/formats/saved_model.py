@@ -61,15 +61,40 @@ def write_saved_model(ctx: ExportContext, target: Path) -> FormatRecord:
     policy = ctx.policy
     try:
         with policy.graph.as_default():
+            signatures = ctx.signature.signature_def_map()
+            if policy.is_recurrent:
+                signatures[INITIAL_STATE_KEY] = _initial_state_signature(policy)
             builder = tf1.saved_model.Builder(str(target))
-            builder.add_meta_graph_and_variables(
-                policy.session, [TAG], signature_def_map=ctx.signature.signature_def_map(),
-                strip_default_attrs=True,
-            )
+            builder.add_meta_graph_and_variables(policy.session, [TAG], signature_def_map=signatures,
+                                                 strip_default_attrs=True)
             builder.save()
     except (tf.errors.OpError, OSError, ValueError) as e:
         raise ExportError(f"writing the SavedModel to {target} failed: {e}") from e
     return FormatRecord("saved_model", (target.name,), {"tags": [TAG], "signature": SERVING_KEY})
+
+
+INITIAL_STATE_KEY = "get_initial_state"  # the recurrent policy's start state, as TF-Agents' PolicySaver names it
+
+
+def _initial_state_signature(policy):
+    """``get_initial_state``: ``batch_size`` (int32 scalar) in, each ``state_in_<i>`` as an episode
+    starts (the policy's initial state, one row per batch entry) out; added to the policy's graph
+    (the serving signature and the formats made from it do not reach it)."""
+    import tensorflow as tf
+
+    from policy_export.signatures.keys import state_in_key
+
+    tf1 = tf.compat.v1
+    build = tf1.saved_model.utils.build_tensor_info
+    with tf1.name_scope(INITIAL_STATE_KEY):
+        batch = tf1.placeholder(tf.int32, (), name="batch_size")
+        outputs = {}
+        for i, start in enumerate(policy.get_initial_state()):
+            row = tf.constant(start[None])
+            outputs[state_in_key(i)] = build(tf.tile(row, tf.concat([[batch], tf.ones([start.ndim], tf.int32)], 0)))
+    return tf1.saved_model.signature_def_utils.build_signature_def(
+        inputs={"batch_size": build(batch)}, outputs=outputs,
+        method_name=tf1.saved_model.signature_constants.PREDICT_METHOD_NAME)
 
 
 def saved_model_meta_graph(path: Path, tag: str, signature_key: str = "serving_default"):
