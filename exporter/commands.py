@@ -151,7 +151,7 @@ def cmd_export(args, console) -> int:
                          {pid: str(r.path) for pid, r in results.items()})
     status = EXIT_OK
     for pid, result in results.items():
-        _print_result(console, opened.source, pid, result)
+        _print_result(console, opened.source, pid, result, args.verbose)
         status = max(status, _partial_status(console, result, args))
     console.print(f"{len(results)} export{'s' if len(results) > 1 else ''} in {time.perf_counter() - start:.1f} s")
     return status
@@ -160,15 +160,17 @@ def cmd_export(args, console) -> int:
 cmd_convert = cmd_export  # the alias: the same command, every option export takes
 
 
-def _print_result(console, source, pid, result) -> None:
-    from policy_export.exporter.reports import parity_table
+def _print_result(console, source, pid, result, verbose: bool = False) -> None:
+    """One export's verdict (one line per format; ``verbose``: the full table first), then its
+    recorded, source and "exported" lines, and where the full table is."""
+    from policy_export.exporter.reports import print_verdict
 
     devices = result.parity.devices
     where = f" ({devices.get('tf_device')}, {', '.join(devices.get('onnxruntime_providers_used', []))})" \
         if devices.get("tf_device") else ""
     title = (f"{'' if pid is None else f'policy {pid}: '}parity: {result.parity.samples} samples vs "
              f"{source.reference}{where}")
-    console.print(parity_table(result.parity, title))
+    print_verdict(console, result.parity, title, verbose)
     recorded = recorded_line(result.parity, (result.manifest.get("parity") or {}).get("recorded"))
     if recorded:
         console.print(escape(recorded), soft_wrap=True)
@@ -176,6 +178,14 @@ def _print_result(console, source, pid, result) -> None:
         console.print(escape(one_line(line)), soft_wrap=True)
     console.print(f"exported [bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)} "
                   f"({len(result.files)} files)", soft_wrap=True)
+    if not verbose:
+        _full_table_hint(console, Path(result.path) / "parity" / "report.json")
+
+
+def _full_table_hint(console, report: str | Path | None) -> None:
+    """Where the full parity table is: ``--verbose``, or the report file (``None``: ``--report-json``)."""
+    where = escape(one_line(str(report))) if report else "--report-json FILE"
+    console.print(f"full table: --verbose, or {where}", soft_wrap=True, highlight=False)
 
 
 def recorded_line(report, record) -> str | None:
@@ -227,7 +237,7 @@ def cmd_verify(args, console) -> int:
     _heavy_imports(args)
 
     from policy_export.exporter.options import replace
-    from policy_export.exporter.reports import parity_table
+    from policy_export.exporter.reports import print_verdict
     from policy_export.exporter.verify import verify_export
 
     result = verify_export(args.out, replace(opts, device=_device_plan(args)), manifest_doc=doc)
@@ -235,10 +245,9 @@ def cmd_verify(args, console) -> int:
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes})
     devices = result.parity.devices
-    console.print(parity_table(result.parity, f"verify {escape(args.out)}: stored parity plan "
-                                              f"({result.parity.samples} golden samples; "
-                                              f"TF {devices.get('tf_device')}, ONNX Runtime "
-                                              f"{', '.join(devices.get('onnxruntime_providers_used', []))})"))
+    print_verdict(console, result.parity, f"verify {args.out}: stored parity plan ({result.parity.samples} golden "
+                  f"samples; TF {devices.get('tf_device')}, ONNX Runtime "
+                  f"{', '.join(devices.get('onnxruntime_providers_used', []))})", args.verbose)
     for note in result.notes:
         console.print(f"plan: {escape(one_line(note))}", soft_wrap=True, highlight=False)
     from policy_export.exporter.reports import record_problems
@@ -246,6 +255,8 @@ def cmd_verify(args, console) -> int:
     for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
                     + record_problems(result.parity)):
         console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True, highlight=False)
+    if not args.verbose:
+        _full_table_hint(console, args.report_json)
     if not result.passed:
         failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
         print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
@@ -418,10 +429,14 @@ def cmd_rollout(args, console) -> int:
 
     from policy_export.exporter.options import RolloutOptions, replace
 
+    from policy_export.exporter.core_options import ROLLOUT_ENV
+    from policy_export.exporter.rollout import check_environment
+
     doc = read_manifest(Path(args.out))  # read once: the rollout takes it as read
     opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_formats_option(args.formats),
                           return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
     _check_report_paths(args, args.out)
+    check_environment(doc, ROLLOUT_ENV.check(args.env), args.out)  # before TensorFlow loads
     _heavy_imports(args)
     from policy_export.exporter.reports import write_json
     from policy_export.exporter.rollout import rollout
@@ -556,4 +571,13 @@ def _many_report(args, console, result, title: str) -> int:
                       f"{escape(', '.join(result.failed))} ({counts}; {result.seconds:.1f} s)", soft_wrap=True)
         return EXIT_CHECK_FAILED
     console.print(f"{len(result.results)} policies: {counts} in {result.seconds:.1f} s")
+    return EXIT_OK
+
+
+def cmd_example(args, console) -> int:
+    from policy_export.exporter.example import write_example
+
+    target = write_example(args.dir)
+    console.print(f"wrote the CartPole spec to {escape(str(target))}; export it with:", soft_wrap=True)
+    console.print(escape(f"{PROG} export {target} --out OUT"), soft_wrap=True)
     return EXIT_OK

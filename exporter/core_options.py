@@ -78,10 +78,31 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     known = registry.names()
     unknown = [f for f in formats if f not in known]
     if unknown:
-        raise InputError(f"unknown format(s) {unknown}; choose from {', '.join(known)}")
+        raise InputError(f"unknown format(s) {unknown}{did_you_mean(unknown, known)}; choose from {', '.join(known)}")
     for name in formats:  # a format whose library is not installed: the extra that brings it
         registry.get(name).check_installed()
     return tuple(f for f in known if f in formats)
+
+
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``"; did you mean X?"`` for the closest known name of each unknown one (difflib), or ``""``."""
+    import difflib
+
+    close = [m[0] for u in unknown if isinstance(u, str) for m in [difflib.get_close_matches(u, known, 1, 0.6)] if m]
+    return f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
+
+
+def _env_id(value: Any, option: Option) -> str:
+    """A gymnasium environment id that is registered (checked before TensorFlow loads)."""
+    import gymnasium as gym
+
+    if not isinstance(value, str) or not value:
+        raise InputError(f"env (--env) must be a gymnasium environment id, got {value!r:.80}")
+    if ":" not in value and value not in gym.registry:  # "module:Env-v0" is registered by importing module
+        hint = did_you_mean([value], list(gym.registry))
+        raise InputError(f"env (--env) {value!r:.80} is not a registered gymnasium environment{hint} (an environment "
+                         "of your own must be registered, e.g. by importing its package, before the command runs)")
+    return value
 
 
 def _counted(least: int, most: int | None = None) -> Callable[[Any, Option], int]:
@@ -201,10 +222,12 @@ ALLOW_PARTIAL = Option("allow_partial", "exit 0 when some formats could not be m
                        False, kind="flag")
 QUIET = Option("quiet", "no progress on stderr (by default each stage is shown with its elapsed time: a live display "
                "on a terminal, one line per stage otherwise)", False, kind="flag", short="-q")
+VERBOSE = Option("verbose", "print the full parity table (a row per format and output: every error statistic and "
+                 "tolerance) besides the line per format", False, kind="flag", short="-v")
 
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,
-          OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET)
+          OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET, VERBOSE)
 
 VERIFY = (
     Option("seed", f"seed of fresh samples (default {D.VERIFY_SEED})", D.VERIFY_SEED, type=int, metavar="S",
@@ -226,7 +249,7 @@ VERIFY = (
            "kept per run (a fixed sub-sample of larger files)", None, kind="list", metavar="FILE", rule=_observations),
     Option("batch_size", "rows per runtime call during parity", D.DEFAULT_BATCH, type=int, rule=_counted(1),
            cli=False),
-    TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET)
+    TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE)
 
 SERVE = (
     Option("port", f"HTTP port (default {D.SERVE_HTTP_PORT})", D.SERVE_HTTP_PORT, type=int, metavar="N"),
@@ -246,8 +269,9 @@ INSPECT = (Option("signature", "SavedModel signature", "serving_default", metava
            Option("tag", "SavedModel tag", "serve", metavar="TAG"), JSON)
 DIFF = (Option("json", "print JSON instead of a summary", False, kind="flag"),)
 
+ROLLOUT_ENV = Option("env", "gymnasium environment id, e.g. CartPole-v1", metavar="ENV_ID", required=True, rule=_env_id)
 ROLLOUT = (
-    Option("env", "gymnasium environment id, e.g. CartPole-v1", metavar="ENV_ID", required=True),
+    ROLLOUT_ENV,
     Option("episodes", f"episodes (default {D.DEFAULT_EPISODES})", D.DEFAULT_EPISODES, type=int, metavar="N",
            rule=_counted(1, MAX_SAMPLES)),
     Option("seed", "seed of the first episode (default 0)", 0, type=int, metavar="S", rule=_counted(0, MAX_SEED)),

@@ -201,6 +201,24 @@ def _rollout(out: Path, env_id: str, opts: RolloutOptions, doc: dict | None) -> 
     return RolloutReport(env_id, formats, results, lossy, float(opts.return_tolerance))
 
 
+def check_environment(doc: dict, env_id: str, where: str) -> None:
+    """``env_id`` made once and its spaces checked against the export's (before any runtime loads).
+
+    Raises:
+        InputError: the environment cannot be made, or its spaces are not the export's.
+    """
+    obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)
+    act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", where)
+    try:
+        env = gym.make(env_id)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as e:  # module:Env ids import
+        raise InputError(f"cannot make environment {env_id!r}: {e}") from e
+    try:
+        _check_spaces(env, obs_space, act_space, env_id)
+    finally:
+        env.close()
+
+
 def _is_lossy(name: str) -> bool:
     from policy_export.exporter import formats as registry
 
