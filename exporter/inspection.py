@@ -65,6 +65,8 @@ def contract_of(path: str | Path, signature_key: str = "serving_default", tag: s
         ExportError: ``path`` is none of those, or fails its format's checks.
     """
     path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise ExportError(f"{path}: no such file or directory")
     hit = find_model(path)
     if hit is not None:
         fmt, where = hit

@@ -211,6 +211,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
             a manifest of this package (each malformed field named).
     """
     path = Path(root) / MANIFEST
+    if not Path(root).exists() and not Path(root).is_symlink():
+        raise ExportError(f"{root}: no such export directory")
     if not Path(root).is_dir():
         raise ExportError(f"{root} is not a directory")
     if not path.exists() and not path.is_symlink():

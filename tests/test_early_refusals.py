@@ -47,3 +47,15 @@ def test_a_mistyped_format_gets_a_suggestion_before_tensorflow(tmp_path):
     done = _run("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "o"), "--formats", "onxx")
     one_line_error(done, 2, "unknown format(s) ['onxx']; did you mean onnx?")
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("verify", "/nonexistent/out"), "/nonexistent/out: no such export directory"),
+    (("inspect", "/nonexistent/model.onnx"), "/nonexistent/model.onnx: no such file or directory"),
+    (("diff", "/nonexistent/a", "/nonexistent/b"), "/nonexistent/a: no such file or directory"),
+    (("rollout", "/nonexistent/out", "--env", "CartPole-v1"), "/nonexistent/out: no such export directory"),
+])
+def test_a_missing_path_is_named_as_missing(args, fragment):
+    from helpers import cli
+
+    one_line_error(cli(*args), 2, fragment)
