@@ -13,6 +13,7 @@ _EXPORTS = {
     ),
     "policy_export.policy.spec": ("LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec"),
     "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
+    "policy_export.policy.template": ("weight_shapes", "write_weights_template"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

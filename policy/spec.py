@@ -4,6 +4,11 @@ Every problem in a file is reported at once, each with its JSON path and what wa
 
     spec = load_spec("fixtures/cartpole_mlp")      # a directory holding policy.json, or the file
     spec.observation_space, spec.action_space, spec.model.hiddens
+
+:data:`SCHEMA_FILE` is the file's JSON Schema (draft 2020-12), for editors and other tools; a
+top-level ``"$schema"`` key naming it is accepted and ignored. The loader checks everything the
+schema says, and what a schema cannot (``low <= high``, the size limits of a whole space and
+model, that the weights file exists).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import math
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,15 +25,16 @@ from typing import Any
 import gymnasium as gym
 
 from policy_export.policy import jsonio
-from policy_export.errors import SpecError
+from policy_export.errors import SpecError, WeightsError
 from policy_export.policy.spaces import _Problems, _is_int, leaves, parse_space, space_to_json
 
 FORMAT_VERSION = 1
 SPEC_FILE = "policy.json"
+SCHEMA_FILE = Path(__file__).with_name("policy.schema.json")  # shipped with the package
 ACTIVATIONS = ("tanh", "relu", "elu", "swish", "linear")
 
 _TOP_REQUIRED = {"format_version", "name", "observation_space", "action_space", "model"}
-_TOP_OPTIONAL = {"weights", "seed"}
+_TOP_OPTIONAL = {"weights", "seed", "$schema"}  # "$schema": for editors, ignored
 _MODEL_KEYS = {"hiddens", "activation", "conv_filters", "lstm"}
 _LSTM_KEYS = {"cell_size", "max_seq_len", "use_prev_action", "use_prev_reward"}
 # size limits, checked before TensorFlow builds anything (errors name the limit)
@@ -38,6 +45,9 @@ MAX_KERNEL = 64  # conv kernel side and stride
 MAX_LSTM_CELL = 4096
 MAX_SEQ_LEN = 100_000
 MAX_PARAMETERS = 1 << 28  # estimated weights of the dense layers and LSTM (1 GiB as float32)
+WEIGHTS_DOCS = 'docs/spec.md, "Layer and weight names"'
+_MISSING, _UNEXPECTED = "missing weight ", "unexpected weight "  # how TFPolicy words these problems
+_LISTED = 8  # names listed per group when a file's names do not match; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,17 @@ def load_spec(path: str | Path) -> PolicySpec:
         SpecError: the file is missing, is not JSON, or has problems (each with its JSON path).
         UnsupportedSpaceError: a space type the package cannot export.
     """
+    obj, file = read_spec_json(path)
+    return spec_from_json(obj, base_dir=file.parent, source=str(file))
+
+
+def read_spec_json(path: str | Path) -> tuple[Any, Path]:
+    """The parsed JSON of a spec file (``path`` a ``policy.json`` or a directory holding one), not
+    validated yet, and the file's path.
+
+    Raises:
+        SpecError: the file is missing, not a regular file, too large, unreadable or not JSON.
+    """
     path = Path(path)
     file = path / SPEC_FILE if path.is_dir() else path
     if not file.is_file():
@@ -117,7 +138,7 @@ def load_spec(path: str | Path) -> PolicySpec:
         raise SpecError(str(file), [("$", f"cannot be read: {e.strerror or e}")]) from e
     except jsonio.JSONError as e:
         raise SpecError(str(file), [("$", e.problem)]) from e
-    return spec_from_json(obj, base_dir=file.parent, source=str(file))
+    return obj, file
 
 
 def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>") -> PolicySpec:
@@ -131,8 +152,11 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
         problems.add(f"$.{key}", f"unknown key; allowed: {', '.join(sorted(_TOP_REQUIRED | _TOP_OPTIONAL))}")
 
     version = obj.get("format_version")
-    if "format_version" in obj and version != FORMAT_VERSION:
+    if "format_version" in obj and (isinstance(version, bool) or version != FORMAT_VERSION):
         problems.add("$.format_version", f"expected {FORMAT_VERSION}, got {version!r}")
+    if not isinstance(obj.get("$schema", ""), str):
+        problems.add("$.$schema", f"expected a string (the JSON Schema the file follows, for editors), "
+                                  f"got {obj['$schema']!r}")
     name = obj.get("name")
     if "name" in obj and not (isinstance(name, str) and name.strip()):
         problems.add("$.name", f"expected a non-empty string, got {name!r}")
@@ -159,7 +183,7 @@ def spec_from_json(obj: Any, base_dir: Path | None = None, source: str = "<spec>
         raise SpecError(source, problems.items)
     return PolicySpec(
         name=name, observation_space=obs, action_space=act, model=model,
-        weights=weights_path, seed=seed, format_version=version,
+        weights=weights_path, seed=seed, format_version=FORMAT_VERSION,
     )
 
 
@@ -299,3 +323,52 @@ def write_spec(spec: PolicySpec, directory: str | Path) -> Path:
     file = directory / SPEC_FILE
     file.write_text(json.dumps(spec.to_json(relative_to=directory), indent=2) + "\n", encoding="utf-8")
     return file
+
+
+# --------------------------------------------------------------------------- weights names
+
+
+def with_names_hint(error: WeightsError, expected: Mapping[str, tuple[int, ...]],
+                    found: Mapping[str, tuple[int, ...]]) -> WeightsError:
+    """``error`` with one hint line added when the file's weight names are not the policy's.
+
+    More than a few missing and unexpected weights are summarised: one line for each group, each
+    name with its shape. Other problems (shapes, values) are kept as they are.
+    """
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    if not missing and not unexpected:
+        return error
+    problems = list(error.problems)
+    if len(missing) + len(unexpected) > 4:
+        problems = [p for p in problems if not p.startswith((_MISSING, _UNEXPECTED))]
+        if missing:
+            problems.append(f"{len(missing)} missing weight(s), the policy's: {_listed(missing, expected)}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected weight(s), the policy has no such layer weight: "
+                            f"{_listed(unexpected, found)}")
+    problems.append(names_hint(expected, found))
+    return WeightsError(error.source, problems)
+
+
+def names_hint(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> str:
+    """One line: the file's layer names against the policy's, and how to get a file with the right names."""
+    ours, theirs = _layers(expected), _layers(found)
+    same = len(ours) == len(theirs) and [tuple(s) for s in expected.values()] == [tuple(s) for s in found.values()]
+    rename = ", ".join(f"{a} -> {b}" for a, b in zip(theirs, ours) if a != b) if same else ""
+    how = ""
+    if rename:
+        how = f"its weights have the policy's shapes in the same order, only the names differ ({rename}): "
+    return (f"hint: the file's layers ({', '.join(theirs) or 'none'}) are not the policy's ({', '.join(ours)}); "
+            f"{how}name your model's layers like the policy's (Dense(..., name='fc_1')), or write a file with the "
+            f"policy's names and shapes with policy_export.write_weights_template(spec, path) and fill in your "
+            f"arrays; see {WEIGHTS_DOCS}")
+
+
+def _layers(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    return list(dict.fromkeys(key.rpartition("/")[0] for key in shapes))
+
+
+def _listed(keys: list[str], shapes: Mapping[str, tuple[int, ...]]) -> str:
+    shown = ", ".join(f"{k!r} {list(shapes[k])}" for k in keys[:_LISTED])
+    return shown + (f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else "")

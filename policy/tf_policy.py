@@ -39,7 +39,7 @@ from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy
 )
 from policy_export.policy.models import build_model, model_inputs, named_weights, preprocess
 from policy_export.policy.spaces import check_supported, leaf_dtype, leaf_shape, leaf_values, leaves
-from policy_export.policy.spec import PolicySpec
+from policy_export.policy.spec import PolicySpec, with_names_hint
 from policy_export.signatures.keys import action_key, is_action, is_state_in, state_in_key, state_out_key
 
 tf1 = tf.compat.v1
@@ -349,13 +349,22 @@ class TFPolicy:
         Every weight's presence and shape is checked before anything is assigned; on any error
         the policy's weights are exactly as before.
 
+        The names are those of the spec's model (``fc_1/kernel``, ``fc_out/bias``, ``lstm/kernel``,
+        ``obs_<key>_conv_1/kernel``...: docs/spec.md, "Layer and weight names");
+        ``write_weights_template`` writes a file that holds exactly them, to fill in.
+
         Raises:
-            WeightsError: unreadable file, or every weight that is missing, extra or misshapen.
+            WeightsError: unreadable file, or every weight that is missing, extra or misshapen
+                (with a hint when the file's names are not the policy's).
         """
         # weights the policy does not expect, or of another shape, are reported without being read
         shapes = {key: tuple(var.shape.as_list()) for key, var in self._variables}
         weights = h5io.read_h5_weights(path, expected_shapes=shapes)
-        self._assign(self._check_weights(weights, str(path), allow_non_finite))
+        try:
+            assignments = self._check_weights(weights, str(path), allow_non_finite)
+        except WeightsError as e:
+            raise with_names_hint(e, shapes, {k: tuple(np.shape(v)) for k, v in weights.items()}) from None
+        self._assign(assignments)
 
     def import_model_from_tf1_checkpoint(self, path: str | Path, allow_non_finite: bool = False) -> None:
         """Load weights from a ``tf.compat.v1.train.Saver`` checkpoint (its prefix, ``.index`` or

@@ -28,6 +28,7 @@ _EXPORTS = {
         "LstmConfig", "ModelConfig", "PolicySpec", "load_spec", "spec_from_json", "write_spec",
     ),
     "policy_export.policy.tf_policy": ("ActionResult", "TFPolicy"),
+    "policy_export.policy.template": ("weight_shapes", "write_weights_template"),
     "policy_export.exporter.sources.rllib": ("from_rllib",),
     "policy_export.exporter.export": ("export_policy", "ExportResult"),
     "policy_export.exporter.pipeline": ("export_source",),
