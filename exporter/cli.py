@@ -4,12 +4,19 @@
 Exit codes: 0 success; 1 a check failed (parity, hashes); 2 bad input or usage (one line on
 stderr, no traceback); 3 an unexpected internal error, a bug in the package (``--debug`` shows the
 traceback); 130 interrupted (SIGINT, SIGTERM, SIGHUP).
+
+A reader that goes away early (``policy-export verify OUT | head -1``) changes none of them: a
+write to a closed stdout or stderr is dropped (the stream then writes to the null device), the
+command runs to its end, and its exit code is the one it would have had with the pipe open.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from policy_export.exporter import commands
 from policy_export.exporter.cli_args import (  # noqa: F401 (build_parser and the exit codes: re-exported)
@@ -23,8 +30,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGINT, SIGTERM and SIGHUP are handled until it returns: before an export is in place they
     stop it (nothing left behind, exit 130); once it is in place the export is complete, so the
     command finishes, says on stderr that it was interrupted after the export was complete, and
-    exits 0.
+    exits 0. A closed stdout or stderr (a pipe whose reader has gone) changes no exit code
+    (:func:`closed_pipes_tolerated` holds until it returns).
     """
+    with closed_pipes_tolerated():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
@@ -59,6 +72,82 @@ def console_main() -> int:
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     return code
+
+
+def _closed_pipe(error: OSError) -> bool:
+    """Whether ``error`` says the reader of the stream has gone (EPIPE)."""
+    return isinstance(error, BrokenPipeError) or error.errno == errno.EPIPE
+
+
+class ClosedPipeSafe:
+    """A text stream (sys.stdout, sys.stderr) whose reader may go away: the first write or flush
+    that finds the pipe closed points the stream's file descriptor at the null device (so that
+    no later flush, the interpreter's last one included, fails), and every write after it is
+    dropped. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream, self.reader_gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.reader_gone:
+            try:
+                return self._stream.write(text)
+            except OSError as e:
+                if not _closed_pipe(e):
+                    raise
+                self._drop()
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if not self.reader_gone:
+            try:
+                self._stream.flush()
+            except OSError as e:
+                if not _closed_pipe(e):
+                    raise
+                self._drop()
+
+    def isatty(self) -> bool:
+        return not self.reader_gone and self._stream.isatty()
+
+    def _drop(self) -> None:
+        self.reader_gone = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor: nothing to point
+            fd = self._stream.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, fd)
+            finally:
+                os.close(devnull)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()  # what the closed pipe did not take goes to the null device
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def closed_pipes_tolerated() -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` as :class:`ClosedPipeSafe` streams (rich's consoles
+    write to them too) until the block ends; both are flushed before they are put back.
+
+    SIGPIPE stays ignored (Python's default), so a closed pipe is an EPIPE error here rather
+    than a death by signal."""
+    saved = sys.stdout, sys.stderr
+    safe = [None if s is None or isinstance(s, ClosedPipeSafe) else ClosedPipeSafe(s) for s in saved]
+    sys.stdout, sys.stderr = (w or s for w, s in zip(safe, saved))
+    try:
+        yield
+    finally:
+        for stream in safe:
+            if stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+        sys.stdout, sys.stderr = saved
 
 
 def _interrupted(signum: int | None) -> int:
@@ -113,10 +202,15 @@ def _run(args) -> int:
                 err.print_exception()
             if isinstance(e, PolicyExportError):
                 report = getattr(e, "report", None)
-                if report is not None:
-                    from policy_export.exporter.reports import parity_table
+                if report is not None:  # the verdict per format (the full table with --verbose)
+                    from policy_export.exporter.reports import print_verdict
 
-                    out.print(parity_table(report, "parity"))
+                    verbose = bool(getattr(args, "verbose", False))
+                    print_verdict(out, report, "parity", verbose)
+                    if not verbose:
+                        where = getattr(args, "report_json", None) or "--report-json FILE"
+                        out.print(f"full table: --verbose, or {one_line(where)}", soft_wrap=True, highlight=False,
+                                  markup=False)
                 print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
                 return e.exit_code
             hint = "" if args.debug else "; run with --debug for the traceback"

@@ -19,6 +19,7 @@ def one_line(text: object) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
     parser.add_argument("--debug", action="store_true", help="show library logs and tracebacks")
+    parser.add_argument("-V", "--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a full export with clean keys")
     _rollout_parser(sub, common)
     _many_parsers(sub, common)
+    _example_parser(sub, common)
     parser.command_parsers = dict(sub.choices)  # name -> its parser (synopsis() reads them)
     return parser
 
@@ -159,6 +161,39 @@ def _rollout_parser(sub, common) -> None:
                         help="play an environment with the export's TF and ONNX runtimes and compare their actions")
     ro.add_argument("out", metavar="OUT", help="export directory")
     core.add(ro, core.ROLLOUT)
+
+
+def installed_version() -> str:
+    """The installed distribution's version (``policy-export`` in pyproject.toml)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(PROG)
+    except metadata.PackageNotFoundError:  # imported from a checkout that is not installed
+        from policy_export import __version__
+
+        return __version__
+
+
+class _Version(argparse.Action):
+    """``--version``/``-V``: ``policy-export <version>`` on stdout, exit 0 (the version is read
+    only when asked for)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print the version and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+
+        print(f"{PROG} {installed_version()}", file=sys.stdout)
+        parser.exit(EXIT_OK)
+
+
+def _example_parser(sub, common) -> None:
+    ex = sub.add_parser("example", parents=[common],
+                        help="write the bundled CartPole spec (policy.json and its weights) to DIR, to export it")
+    ex.add_argument("dir", metavar="DIR", help="directory to write (new, or empty)")
 
 
 if __name__ == "__main__":

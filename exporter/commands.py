@@ -575,9 +575,12 @@ def _many_report(args, console, result, title: str) -> int:
 
 
 def cmd_example(args, console) -> int:
+    """``example DIR``: the bundled CartPole spec written to DIR, and the command that exports it."""
+    import shlex
+
     from policy_export.exporter.example import write_example
 
     target = write_example(args.dir)
-    console.print(f"wrote the CartPole spec to {escape(str(target))}; export it with:", soft_wrap=True)
-    console.print(escape(f"{PROG} export {target} --out OUT"), soft_wrap=True)
+    console.print(f"wrote the CartPole spec to {escape(str(target))}; export it with:", soft_wrap=True, highlight=False)
+    console.print(escape(f"{PROG} export {shlex.quote(str(target))} --out OUT"), soft_wrap=True, highlight=False)
     return EXIT_OK

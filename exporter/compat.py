@@ -38,7 +38,7 @@ def check_onnx_environment() -> None:
         raise EnvironmentMismatchError(
             f"onnx {'.'.join(map(str, onnx_v))} needs ml_dtypes >= 0.5 but ml_dtypes "
             f"{'.'.join(map(str, ml_v))} is installed (older TensorFlow releases pin it); "
-            "install an onnx that works beside it: pip install 'onnx>=1.17,<1.19'")
+            "install an onnx that works beside it: pip install \"onnx>=1.17,<1.19\"")
 
 
 def import_onnx():

@@ -223,7 +223,7 @@ ALLOW_PARTIAL = Option("allow_partial", "exit 0 when some formats could not be m
 QUIET = Option("quiet", "no progress on stderr (by default each stage is shown with its elapsed time: a live display "
                "on a terminal, one line per stage otherwise)", False, kind="flag", short="-q")
 VERBOSE = Option("verbose", "print the full parity table (a row per format and output: every error statistic and "
-                 "tolerance) besides the line per format", False, kind="flag", short="-v")
+                 "tolerance) besides the line per format", False, kind="flag")
 
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,

@@ -1,11 +1,14 @@
-"""Render parity reports: a rich table, JSON, JUnit XML, and a Markdown summary."""
+"""Render parity reports: the verdict (one line per format), the full rich table, JSON, JUnit XML,
+and a Markdown summary."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,140 @@ def parity_table(report: ParityReport, title: str):
                       _fmt(c.mean_abs_err), _fmt(c.p99_abs_err), "", _behaviour_bound(c), _behaviour_value(c),
                       "[green]pass[/green]" if c.passed else "[bold red]FAIL[/bold red]")
     return table
+
+
+VERDICT_WIDTH = 80  # the verdict's widest line when stdout is not a terminal (a pipe, a CI log)
+_GROUP = re.compile(r" \((explore|recorded|stepped \d+(?: vs sequences)?)\)$")
+
+
+def split_label(label: str) -> tuple[str, str]:
+    """A record's format label as (the format's own label, its group): ``"onnx (stepped 200)"`` ->
+    ``("onnx", "stepped 200")``; the space's samples are group ``""``."""
+    match = _GROUP.search(label)
+    return (label[:match.start()], match.group(1)) if match else (label, "")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One format's line: every record of its label groups (the space's samples, explore, stepped,
+    recorded) folded, shown by the worst of them, the one whose error is largest relative to its
+    bound (``ratio``: above 1 fails)."""
+
+    format: str
+    output: str  # the worst record's output, with its group: "state_out_1 (stepped 200)"
+    error: str  # as shown: "3.9e-07", "2 differ", "p 0.23", "agree 99.75%", "err 0.512%"
+    bound: str  # "1e-05/1e-05", "exact", "p >= 2.5e-07", ">= 99.00%", "<= 2.00%"
+    passed: bool  # every folded record passed (and the format ran)
+    ratio: float
+    checks: int  # records folded into the line
+
+
+@dataclass(frozen=True)
+class _Check:
+    fmt: str
+    output: str
+    error: str
+    bound: str
+    passed: bool
+    rank: tuple[float, float]
+
+
+def _ratio(value: float, bound: float) -> float:
+    """``value`` relative to ``bound`` (0 / 0 is 0; anything else over 0 is infinite)."""
+    if bound > 0:
+        return value / bound
+    return math.inf if value > 0 else 0.0
+
+
+def _problem_text(problem: str) -> str:
+    for start, text in (("dtype", "dtype differs"), ("shape", "shape differs"), ("the output is missing", "missing")):
+        if problem.startswith(start):
+            return text
+    return "NaN/inf" if "NaN" in problem else "not comparable"
+
+
+def _record_check(r: OutputParity) -> _Check:
+    fmt, group = split_label(r.format)
+    output = f"{r.key} ({group})" if group else r.key
+    if r.problem:
+        return _Check(fmt, output, _problem_text(r.problem), _tolerance(r), r.passed, (math.inf, math.inf))
+    if r.exact:
+        error = f"{r.mismatches} differ" if r.mismatches else "0"
+        return _Check(fmt, output, error, "exact", r.passed, (math.inf if r.mismatches else 0.0, 0.0))
+    # the margin: the smallest atol that passes (with this rtol) against atol, then the max abs error
+    rank = (_ratio(r.min_atol_to_pass, r.atol), _ratio(r.max_abs_err, r.atol))
+    return _Check(fmt, output, _fmt(r.max_abs_err), _tolerance(r), r.passed, rank)
+
+
+def _behaviour_check(c) -> _Check:
+    fmt, group = split_label(c.format)
+    output = f"{c.key} ({group})" if group else c.key
+    if c.metric == "agreement":
+        ratio = _ratio(1 - c.value, 1 - c.threshold)
+        return _Check(fmt, output, _behaviour_value(c), _behaviour_bound(c), c.passed, (ratio, ratio))
+    if c.metric == "box_error":
+        ratio = _ratio(c.value, c.threshold)
+        return _Check(fmt, output, _behaviour_value(c), f"<= {c.threshold:.2%}", c.passed, (ratio, ratio))
+    if c.metric == "problem":
+        problem = _problem_text(str(c.extra.get("problem", "")))
+        return _Check(fmt, output, problem, "", c.passed, (math.inf, math.inf))
+    return _Check(fmt, output, _fmt(c.max_abs_err), "recorded", c.passed, (-1.0, -1.0))  # not judged
+
+
+def _checks(report: ParityReport) -> Iterator[_Check]:
+    yield from (_record_check(r) for r in report.records)
+    for (fmt, key), checks in _group_exploration(report).items():
+        worst = min(checks, key=lambda c: c.p_value)
+        ratio = _ratio(worst.threshold, worst.p_value)
+        yield _Check(fmt, f"{key} (explore)", f"p {worst.p_value:.2g}", f"p >= {worst.threshold:.1e}",
+                     all(c.passed for c in checks), (ratio, ratio))
+    yield from (_behaviour_check(c) for c in report.behaviour)
+    for label in report.errors:
+        yield _Check(split_label(label)[0], "-", "not run", "", False, (math.inf, math.inf))
+
+
+def verdicts(report: ParityReport) -> list[Verdict]:
+    """One :class:`Verdict` per format (in the report's order): its worst record (a failed one
+    first), and whether every record of the format passed."""
+    by_format: dict[str, list[_Check]] = {}
+    for check in _checks(report):
+        by_format.setdefault(check.fmt, []).append(check)
+    out = []
+    for fmt, checks in by_format.items():
+        worst = max(checks, key=lambda c: (not c.passed, *c.rank))
+        out.append(Verdict(fmt, worst.output, worst.error, worst.bound, all(c.passed for c in checks),
+                           worst.rank[0], len(checks)))
+    return out
+
+
+def verdict_table(report: ParityReport):
+    """A rich Table with one line per format (see :func:`verdicts`), 80 columns wide or less for
+    the bundled policies; a longer name folds onto a second line, nothing is cut."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    for column in ("format", "worst output", "error", "tolerance", "result"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("error", "tolerance", "result"))
+    for v in verdicts(report):
+        table.add_row(Text(_one_line(v.format)), Text(_one_line(v.output)), v.error, v.bound,
+                      "[green]pass[/green]" if v.passed else "[bold red]FAIL[/bold red]")
+    return table
+
+
+def print_verdict(console, report: ParityReport, heading: str, verbose: bool = False) -> None:
+    """``heading`` (plain text) and one line per format on ``console``; with ``verbose`` the full
+    table (:func:`parity_table`) first. When the console is not a terminal (a pipe, a CI log) the
+    verdict is at most :data:`VERDICT_WIDTH` columns wide."""
+    from rich.markup import escape
+    from rich.text import Text
+
+    if verbose:
+        console.print(parity_table(report, escape(_one_line(heading))))
+    width = console.width if console.is_terminal else min(console.width, VERDICT_WIDTH)
+    console.print(Text(_one_line(heading)), width=width)
+    console.print(verdict_table(report), width=width)
 
 
 def _behaviour_value(c) -> str:

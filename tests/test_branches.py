@@ -444,7 +444,7 @@ def test_python_m_help(module, tmp_path):
     proc = _python_m(module, "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
-    assert proc.stdout.startswith(f"usage: {PROG} [-h] [--debug] COMMAND ...\n")
+    assert proc.stdout.startswith(f"usage: {PROG} [-h] [--debug] [-V] COMMAND ...\n")
     assert "Export RL policies built as TF graphs and prove parity." in proc.stdout
     for command in COMMANDS:
         assert f"    {command} " in proc.stdout, command

@@ -1,12 +1,18 @@
-"""One import package, ``policy_export``; nothing else lands at the top level of an environment."""
+"""One import package, ``policy_export``; nothing else lands at the top level of an environment.
+The wheel holds the license, the full metadata and the example spec ``policy-export example`` writes."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
+
+import pytest
 
 from conftest import ROOT
+from helpers import cli, one_line_error
 
 
 def test_every_installed_package_lives_under_policy_export():
@@ -55,3 +61,98 @@ def test_public_api_names_resolve():
 
     for name in policy_export.__all__:
         assert getattr(policy_export, name) is not None, name
+
+
+# ----------------------------------------------------------------------------- the wheel
+
+def _build_wheel(tmp_path):
+    """A wheel built as a user would (``pip wheel``, build isolation) from a copy of the sources,
+    so that the checkout gains no build/ folder."""
+    src = tmp_path / "src"
+    keep = ("pyproject.toml", "README.md", "LICENSE", "policy_export", "policy", "signatures", "exporter")
+    for name in keep:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            (src).mkdir(exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    (wheel,) = out.glob("policy_export-*.whl")
+    return wheel
+
+
+def test_the_wheel_holds_the_license_the_example_spec_and_full_metadata(tmp_path):
+    from email.parser import Parser
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
+        names = wheel.namelist()
+        (license_file,) = [n for n in names if ".dist-info/" in n and n.endswith("LICENSE")]
+        assert wheel.read(license_file) == (ROOT / "LICENSE").read_bytes()
+        for name in EXAMPLE_FILES:
+            assert wheel.read(f"policy_export/data/cartpole_mlp/{name}") == (FIXTURE / name).read_bytes()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = Parser().parsestr(wheel.read(meta_name).decode())
+    assert meta["Name"] == "policy-export" and meta["Version"] == config["version"]
+    classifiers = meta.get_all("Classifier")
+    assert classifiers == config["classifiers"]
+    assert "License :: OSI Approved :: Apache Software License" in classifiers
+    assert [c for c in classifiers if c.startswith("Programming Language :: Python :: 3.")] == [
+        "Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12"]
+    assert meta["Keywords"]
+
+
+def test_the_license_is_apache_2_as_declared():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == {"text": "Apache-2.0"}
+
+
+# ----------------------------------------------------------------------------- --version, example
+
+EXAMPLE_FILES = ("policy.json", "weights.h5")
+FIXTURE = ROOT / "fixtures" / "cartpole_mlp"
+
+
+def test_the_bundled_example_is_the_cartpole_fixture():
+    from policy_export.exporter.example import example_files
+
+    assert example_files() == {name: (FIXTURE / name).read_bytes() for name in EXAMPLE_FILES}
+    assert sorted(p.name for p in FIXTURE.iterdir()) == sorted(EXAMPLE_FILES)
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag):
+    from importlib import metadata
+
+    proc = cli(flag)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"policy-export {metadata.version('policy-export')}\n"
+
+
+def test_example_writes_the_spec_and_it_exports(tmp_path):
+    target = tmp_path / "cartpole"
+    proc = cli("example", str(target))
+    assert proc.returncode == 0, proc.stderr
+    assert f"policy-export export {target} --out OUT" in proc.stdout
+    assert sorted(p.name for p in target.iterdir()) == sorted(EXAMPLE_FILES)
+    proc = cli("export", str(target), "--out", str(tmp_path / "out"), "--formats", "onnx", "--samples", "20",
+               "--explore-samples", "0", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_example_refuses_a_directory_that_is_not_empty_and_a_file(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    for target in (tmp_path, tmp_path / "mine.txt"):
+        proc = cli("example", str(target))
+        one_line_error(proc, 2, str(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("example", str(empty)).returncode == 0

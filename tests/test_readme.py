@@ -52,3 +52,20 @@ def test_the_docs_synopsis_is_the_one_the_parser_makes():
 
     text = (ROOT / "docs" / "ci-gate.md").read_text()
     assert "```\n" + synopsis() + "```\n" in text, "run python -m policy_export.exporter.cli_args into docs/ci-gate.md"
+
+
+def _first_install(text: str, prefix: str) -> list[str]:
+    """The packages of the first ``pip install`` line starting with ``prefix`` (continuations joined)."""
+    import shlex
+
+    joined = text.replace("\\\n", " ")
+    line = next(ln for ln in joined.splitlines() if ln.strip().startswith(prefix))
+    words = shlex.split(line.split("#")[0])
+    return sorted(w for w in words[words.index("install") + 1:] if not w.startswith("-"))
+
+
+def test_the_rllib_recipe_of_the_install_docs_is_what_ci_installs():
+    docs = (ROOT / "docs/install.md").read_text()
+    ci = (ROOT / ".ci/run").read_text()
+    assert _first_install(docs, 'pip install "ray[rllib]') == _first_install(ci, '.venv-oldest/bin/pip install -q "ray')
+    assert 'pip install "policy-export[rllib]"' in docs and '.venv-oldest/bin/pip install -q -e ".[test,rllib,' in ci

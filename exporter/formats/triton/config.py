@@ -176,7 +176,7 @@ def triton_contract(model_dir: Path):
         from tritonclient.grpc import model_config_pb2
     except ImportError as e:
         raise ExportError(f"reading {model_dir / 'config.pbtxt'} needs Triton's schema: pip install "
-                          f"'policy-export[serving]' ({e})") from e
+                          f"\"policy-export[serving]\" ({e})") from e
     try:
         raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
     except OSError as e:  # a symbolic link (ELOOP), a file that cannot be opened
