@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _rollout_parser(sub, common)
     _many_parsers(sub, common)
     _example_parser(sub, common)
+    _sign_parser(sub, common)
     parser.command_parsers = dict(sub.choices)  # name -> its parser (synopsis() reads them)
     return parser
 
@@ -194,6 +195,16 @@ def _example_parser(sub, common) -> None:
     ex = sub.add_parser("example", parents=[common],
                         help="write the bundled CartPole spec (policy.json and its weights) to DIR, to export it")
     ex.add_argument("dir", metavar="DIR", help="directory to write (new, or empty)")
+
+
+def _sign_parser(sub, common) -> None:
+    from policy_export.exporter import core_options as core
+
+    si = sub.add_parser("sign", parents=[common],
+                        help="verify an export, then sign it with OpenSSF Model Signing (the signing extra): the "
+                             "signature goes beside it, OUT.sig")
+    si.add_argument("out", metavar="OUT", help="export directory")
+    core.add(si, core.SIGN)
 
 
 if __name__ == "__main__":

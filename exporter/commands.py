@@ -138,6 +138,7 @@ def cmd_export(args, console) -> int:
     start = time.perf_counter()
     opts = _export_options(args)  # every cheap check first: bad input fails before TensorFlow loads
     _check_report_paths(args, args.out)
+    sign_to = _sign_request(args)
     opened = pipeline.open_source(args.source, _source_values(args), what=f"{args.command}'s source")
     plan = pipeline.plan_source(opened, args.out, opts)
     _heavy_imports(args)
@@ -154,6 +155,7 @@ def cmd_export(args, console) -> int:
         _print_result(console, opened.source, pid, result, args.verbose)
         status = max(status, _partial_status(console, result, args))
     console.print(f"{len(results)} export{'s' if len(results) > 1 else ''} in {time.perf_counter() - start:.1f} s")
+    _sign_exports(args, console, [r.path for r in results.values()], sign_to)
     return status
 
 
@@ -233,6 +235,7 @@ def cmd_verify(args, console) -> int:
                          observations=args.observations,
                          **_behaviour_option(args))
     _check_report_paths(args, args.out)
+    signature = _signature_request(args)
     candidates = opts.candidates
     _heavy_imports(args)
 
@@ -242,8 +245,9 @@ def cmd_verify(args, console) -> int:
 
     result = verify_export(args.out, replace(opts, device=_device_plan(args)), manifest_doc=doc)
     args.progress.close()
+    signed = _check_signature(args, console, signature, result.file_problems)
     _emit_reports(args, result.parity, "verify", result.file_problems,
-                  extra={"path": str(result.path), "plan": result.notes})
+                  extra={"path": str(result.path), "plan": result.notes, **signed})
     devices = result.parity.devices
     print_verdict(console, result.parity, f"verify {args.out}: stored parity plan ({result.parity.samples} golden "
                   f"samples; TF {devices.get('tf_device')}, ONNX Runtime "
@@ -583,4 +587,98 @@ def cmd_example(args, console) -> int:
     target = write_example(args.dir)
     console.print(f"wrote the CartPole spec to {escape(str(target))}; export it with:", soft_wrap=True, highlight=False)
     console.print(escape(f"{PROG} export {shlex.quote(str(target))} --out OUT"), soft_wrap=True, highlight=False)
+    return EXIT_OK
+
+
+def _sign_request(args):
+    """``export --sign-key``: the signing request checked before any work (the extra, the key, a
+    signature path outside the export); ``None`` when no signing was asked for."""
+    if not (getattr(args, "sign_key", None) or getattr(args, "sign_keyless", False)):
+        for flag in ("signing_certificate", "certificate_chain", "signature_file"):
+            if getattr(args, flag, None):
+                from policy_export.errors import InputError
+
+                raise InputError(f"--{flag.replace('_', '-')} signs the export: give --sign-key KEY (or --sign-keyless)")
+        return None
+    from policy_export.exporter.signing import check_sign_inputs
+
+    return check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+                             certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+
+
+def _sign_exports(args, console, paths, sign_to) -> None:
+    """Sign each export just written (``sign_to``: the signature path of a single one)."""
+    if sign_to is None:
+        return
+    from policy_export.errors import InputError
+    from policy_export.exporter.signing import sign_export
+
+    if len(paths) > 1 and args.signature_file:
+        raise InputError(f"--signature-file names one file and {len(paths)} exports were written (unsigned); sign each "
+                         f"with `{PROG} sign OUT --sign-key KEY` (each signature then goes beside its export)")
+    for path in paths:
+        signed = sign_export(path, args.sign_key, args.signature_file if len(paths) == 1 else None,
+                             signing_certificate=args.signing_certificate, certificate_chain=args.certificate_chain,
+                             keyless=args.sign_keyless)
+        console.print(f"signed [bold]{escape(one_line(str(path)))}[/bold] ({signed.files} files) with "
+                      f"{escape(signed.signer)}: {escape(one_line(str(signed.signature)))}", soft_wrap=True,
+                      highlight=False)
+
+
+_SIGNATURE_FLAGS = ("signature_file", "public_key", "certificate_chain", "identity", "identity_issuer")
+
+
+def _signature_request(args):
+    """``verify --public-key`` (and the other signature flags): the check's inputs, checked before
+    any work; ``None`` when no signature is to be checked."""
+    if not any(getattr(args, flag, None) for flag in _SIGNATURE_FLAGS):
+        return None
+    from policy_export.exporter.signing import check_verify_inputs
+
+    request = dict(signature=args.signature_file, public_key=args.public_key, certificate_chain=args.certificate_chain,
+                   identity=args.identity, issuer=args.identity_issuer)
+    request["signature"] = check_verify_inputs(args.out, **request)
+    return request
+
+
+def _check_signature(args, console, request, problems: list) -> dict:
+    """Check the export's signature (when asked): its problems join the file problems; returns the
+    ``signature`` entry of ``--report-json`` (empty when no signature was checked)."""
+    if request is None:
+        return {}
+    from policy_export.exporter.signing import verify_signature
+
+    check = verify_signature(args.out, **request)
+    problems.extend(check.problems)
+    if check.passed:
+        console.print(f"signature {escape(one_line(str(check.signature)))}: signed by {escape(check.signer)}; covers "
+                      f"{len(check.files)} files, the export as its manifest lists it", soft_wrap=True,
+                      highlight=False)
+    return {"signature": {"path": str(check.signature), "passed": check.passed, "signer": check.signer,
+                          "files": len(check.files), "problems": check.problems}}
+
+
+def cmd_sign(args, console) -> int:
+    """``sign OUT --sign-key KEY``: verify the export (files and parity plan), then sign it."""
+    from policy_export.exporter.manifest import read_manifest
+    from policy_export.exporter.signing import check_sign_inputs, sign_export
+
+    check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+                      certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    read_manifest(Path(args.out))  # not an export: refused before TensorFlow loads
+    _heavy_imports(args)
+    from policy_export.exporter.verify import verify_export
+
+    result = verify_export(args.out)
+    if not result.passed:
+        for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
+                        + [r.describe() for r in result.parity.failures()]):
+            console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True, highlight=False)
+        print(f"{PROG}: sign refused: {args.out} fails verify; nothing was signed", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    signed = sign_export(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+                         certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    console.print(f"verified and signed [bold]{escape(one_line(args.out))}[/bold] ({signed.files} files) with "
+                  f"{escape(signed.signer)}: {escape(one_line(str(signed.signature)))}", soft_wrap=True,
+                  highlight=False)
     return EXIT_OK

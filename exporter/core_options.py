@@ -225,9 +225,36 @@ QUIET = Option("quiet", "no progress on stderr (by default each stage is shown w
 VERBOSE = Option("verbose", "print the full parity table (a row per format and output: every error statistic and "
                  "tolerance) besides the line per format", False, kind="flag")
 
+# signed exports (the signing extra, exporter.signing): the signature goes beside the export, OUT.sig by default
+# --signature-file: --signature is the SavedModel signature key of export's and inspect's sources
+SIGNATURE = Option("signature_file", "the export's signature (default OUT.sig, beside the export; never inside it)",
+                   metavar="PATH")
+CERTIFICATE_CHAIN = Option("certificate_chain", "certificate chain (PEM) of a certificate signature; repeatable",
+                           (), kind="list", metavar="PEM")
+SIGN = (
+    Option("sign_key", "sign the export with this elliptic-curve private key (PEM; the signing extra)",
+           metavar="KEY"),
+    Option("signing_certificate", "with --sign-key: sign with this certificate (PEM) of the key instead",
+           metavar="PEM"),
+    CERTIFICATE_CHAIN,
+    Option("sign_keyless", "sign through Sigstore's OIDC flow instead of a key (needs the network)", False,
+           kind="flag"),
+    SIGNATURE,
+)
+SIGNATURE_CHECK = (
+    Option("public_key", "check the export's signature (OUT.sig, or --signature-file) with this public key (PEM; the "
+           "signing extra)", metavar="KEY"),
+    CERTIFICATE_CHAIN,
+    Option("identity", "check a keyless signature: the signer's identity (e.g. name@example.com; needs the network)",
+           metavar="IDENTITY"),
+    Option("identity_issuer", "check a keyless signature: the identity's OIDC issuer", metavar="URL"),
+    SIGNATURE,
+)
+
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,
-          OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET, VERBOSE)
+          OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET, VERBOSE,
+          *SIGN)
 
 VERIFY = (
     Option("seed", f"seed of fresh samples (default {D.VERIFY_SEED})", D.VERIFY_SEED, type=int, metavar="S",
@@ -249,7 +276,7 @@ VERIFY = (
            "kept per run (a fixed sub-sample of larger files)", None, kind="list", metavar="FILE", rule=_observations),
     Option("batch_size", "rows per runtime call during parity", D.DEFAULT_BATCH, type=int, rule=_counted(1),
            cli=False),
-    TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE)
+    TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE, *SIGNATURE_CHECK)
 
 SERVE = (
     Option("port", f"HTTP port (default {D.SERVE_HTTP_PORT})", D.SERVE_HTTP_PORT, type=int, metavar="N"),

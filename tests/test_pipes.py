@@ -150,3 +150,16 @@ def test_example(made):
     target = made["root"] / "example"
     code, _ = run_closed(["example", target])
     assert code == 0 and (target / "policy.json").is_file()
+
+
+def test_sign_bad_input(made):
+    """Its request checked before anything is signed (a key that is not there), exit 2 either way."""
+    assert_same_code(["sign", made["a"], "--sign-key", made["root"] / "no-key.pem"], 2)
+
+
+def test_every_command_is_tested_here():
+    from policy_export.exporter.cli_args import build_parser
+
+    tested = {"export", "convert", "verify", "inspect", "diff", "rollout", "serve", "export-many", "verify-many",
+              "example", "sign"}
+    assert set(build_parser().command_parsers) == tested
