@@ -195,6 +195,11 @@ def _run(args) -> int:
             if interrupt is not None:  # a context manager that failed while the interrupt unwound it
                 args.progress.close(failed=True)
                 return _interrupted(interrupt.signum if isinstance(interrupt, Interrupted) else None)
+            if signals.pending is not None and not signals.complete:
+                # a signal arrived and its interrupt was swallowed inside a library, which then failed in
+                # the state it left (TensorFlow, say): the command stopped because of the signal
+                args.progress.close(failed=True)
+                return _interrupted(signals.take())
             from policy_export.errors import PolicyExportError
 
             args.progress.close(failed=True)  # a live display is cleared: the error line stands alone

@@ -371,3 +371,20 @@ def test_sigterm_at_a_random_time_leaves_the_old_export_or_a_complete_new_one(tm
         assert snapshot(out) != old
         verify = cli("verify", str(out), "-q")  # in process: the new export is checked, not the process
         assert verify.returncode == 0, verify.stderr
+
+
+def test_an_error_a_swallowed_signal_left_behind_is_reported_as_the_interrupt(monkeypatch, capsys):
+    """A signal whose interrupt a library swallowed (TensorFlow, inside its own try/except), the
+    library then failing in the state it left: one line, the interrupt's, exit 130."""
+    import signal
+
+    from policy_export.exporter import cli, commands, staging
+
+    def command(args, console):
+        staging._session.pending = signal.SIGTERM  # what the handler records when its interrupt is swallowed
+        raise AttributeError("'tuple' object has no attribute '_type_spec'")
+
+    monkeypatch.setattr(commands, "cmd_inspect", command)
+    assert cli.main(["inspect", "anything"]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["policy-export: interrupted by SIGTERM; no partial export was left behind"]
