@@ -371,3 +371,37 @@ def test_the_front_refuses_what_the_server_could_not_survive(body, message):
     assert refused.value.status == 400
     good = b'{"inputs":[{"name":"observations","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'
     check_infer(model, good, None)  # what the server may see passes
+
+
+@pytest.mark.parametrize("headers", [b"Transfer-Encoding: chunked\r\n", b"Content-Length: 999999999\r\n"])
+def test_a_refused_body_is_drained_so_the_client_reads_the_answer(headers):
+    """The front answers 411/413 without reading the body, then keeps reading what the client still
+    sends before it closes: a client that goes on sending its body gets no reset (which would lose
+    the answer), and reads the status (a lingering close)."""
+    import socket
+
+    from policy_export.exporter.serve.front import LINGER_BYTES, RequestFront
+
+    port = free_port()
+    front = RequestFront("127.0.0.1", port, free_port(), ())
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.sendall(b"POST /v2/models/policy/infer HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += client.recv(4096)
+            for _ in range(4):  # the body the client had started to send, after the answer came
+                time.sleep(0.05)
+                client.sendall(b"0" * (LINGER_BYTES // 8))
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            status = head.split(b"\r\n")[0]
+            assert status.split()[1] in (b"411", b"413"), status
+            assert b"Connection: close" in head
+            body = rest
+            while len(body) < int(re.search(rb"Content-Length: (\d+)", head)[1]):
+                body += client.recv(4096)
+            assert "error" in json.loads(body)
+            client.shutdown(socket.SHUT_WR)
+            assert client.recv(1) == b""  # then the front closes, without a reset
+    finally:
+        front.stop()

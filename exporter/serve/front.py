@@ -39,6 +39,7 @@ MAX_BODY_BYTES = 64 << 20  # tritonserver's own default --http-max-input-size
 MAX_RANK = 16
 BACKEND_TIMEOUT_S = 600.0
 IDLE_TIMEOUT_S = 60.0
+LINGER_S, LINGER_BYTES = 2.0, 256 << 10  # what is read of a refused body before its connection closes
 PATH = re.compile(r"/v2(?:/health/(?P<health>live|ready)|/models/(?P<model>[A-Za-z0-9_.-]{1,128})"
                   r"(?:/versions/[0-9]{1,19})?(?P<what>/ready|/config|/infer)?)?")
 FORWARDED = ("Content-Type", "Inference-Header-Content-Length")
@@ -111,6 +112,7 @@ class FrontHandler(BaseHTTPRequestHandler):
     server_version = "policy-export"
 
     backend: http.client.HTTPConnection | None = None  # one per client connection, kept alive
+    linger = False  # the answer refused a body that was not read
 
     def setup(self) -> None:
         super().setup()
@@ -119,6 +121,24 @@ class FrontHandler(BaseHTTPRequestHandler):
     def finish(self) -> None:
         super().finish()
         self._close_backend()
+        if self.linger:
+            self._drain()
+
+    def _drain(self) -> None:
+        """After an answer to a body that was not read: stop sending, then read what the client
+        still sends (at most :data:`LINGER_BYTES` for :data:`LINGER_S`), so that closing does not
+        reset the connection before the client has read the answer (a "lingering close")."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            left = LINGER_BYTES
+            while left > 0:
+                data = self.connection.recv(min(left, 65536))
+                if not data:
+                    return
+                left -= len(data)
+        except OSError:  # the client went away, or kept sending past the time
+            return
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         log.debug("front: " + format, *args)
@@ -136,7 +156,9 @@ class FrontHandler(BaseHTTPRequestHandler):
         except Refused as e:
             status, headers, data = e.status, {"Content-Type": "application/json"}, \
                 json.dumps({"error": str(e)}).encode()
-            self.close_connection = self.close_connection or e.close
+            if e.close:
+                self.close_connection = self.linger = True
+                headers["Connection"] = "close"
         except OSError as e:
             status, headers, data = 502, {"Content-Type": "application/json"}, \
                 json.dumps({"error": f"the Triton server did not answer: {str(e)[:200]}"}).encode()
