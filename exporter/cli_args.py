@@ -61,7 +61,7 @@ def _many_parsers(sub, common) -> None:
     core.add(em, core.EXPORT_MANY)
     vm = sub.add_parser("verify-many", parents=[common], help="verify every export under ROOT, each in its own process")
     vm.add_argument("root", metavar="ROOT")
-    core.add(vm, core.MANY)
+    core.add(vm, core.VERIFY_MANY)
 
 
 SOURCE_HELP = ("a spec directory (policy.json, or the file itself), an RLlib checkpoint directory (holding "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -82,12 +83,13 @@ def _write_reports(args, report, suite: str, file_problems=(), extra: dict | Non
     if args.report_json:
         reports.write_json(args.report_json, {**(extra or {}), "file_problems": list(file_problems),
                                               "passed": report.passed and not file_problems, **report.to_json()})
+    signature = (extra or {}).get("signature")
     if args.junit:
-        Path(args.junit).write_text(reports.junit_xml(report, suite, file_problems), encoding="utf-8")
+        Path(args.junit).write_text(reports.junit_xml(report, suite, file_problems, signature), encoding="utf-8")
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as f:
-            f.write(reports.markdown_summary(report, suite, file_problems))
+            f.write(reports.markdown_summary(report, suite, file_problems, signature))
 
 
 def _device_plan(args):
@@ -148,14 +150,23 @@ def cmd_export(args, console) -> int:
     with _reports_on_failure(args):
         results = pipeline.run_source(opened, plan, replace(opts, device=_device_plan(args)))
     args.progress.close()
-    _emit_policy_reports(args, {pid: r.parity for pid, r in results.items()},
-                         {pid: str(r.path) for pid, r in results.items()})
+    reports_by_policy = {pid: r.parity for pid, r in results.items()}
+    paths = {pid: str(r.path) for pid, r in results.items()}
+    try:  # signed before the reports are written: they name the signer
+        signed = _sign_exports(args, paths, sign_to)
+    except Exception:
+        _emit_policy_reports(args, reports_by_policy, paths)
+        raise
+    _emit_policy_reports(args, reports_by_policy, paths, {pid: entry for pid, (_, entry) in signed.items()})
     status = EXIT_OK
     for pid, result in results.items():
         _print_result(console, opened.source, pid, result, args.verbose)
         status = max(status, _partial_status(console, result, args))
     console.print(f"{len(results)} export{'s' if len(results) > 1 else ''} in {time.perf_counter() - start:.1f} s")
-    _sign_exports(args, console, [r.path for r in results.values()], sign_to)
+    for pid, (done, _) in signed.items():
+        console.print(f"signed [bold]{escape(one_line(paths[pid]))}[/bold] ({done.files} files) with "
+                      f"{escape(done.signer)}: {escape(one_line(str(done.signature)))}", soft_wrap=True,
+                      highlight=False)
     return status
 
 
@@ -175,13 +186,24 @@ def _print_result(console, source, pid, result, verbose: bool = False) -> None:
     print_verdict(console, result.parity, title, verbose)
     recorded = recorded_line(result.parity, (result.manifest.get("parity") or {}).get("recorded"))
     if recorded:
-        console.print(escape(recorded), soft_wrap=True)
+        print_note(console, "on your observations", recorded)
     for line in source.summary(result.manifest.get("source")):
         console.print(escape(one_line(line)), soft_wrap=True)
     console.print(f"exported [bold]{escape(one_line(str(result.path)))}[/bold]: {', '.join(result.formats)} "
                   f"({len(result.files)} files)", soft_wrap=True)
     if not verbose:
         _full_table_hint(console, Path(result.path) / "parity" / "report.json")
+
+
+def print_note(console, label: str, note: object) -> None:
+    """``label: note``, wrapped at the terminal's width (80 columns in a pipe, whose tables are not
+    clipped) with its continuation lines indented under the note: a line that starts with a space
+    continues the one above. Words are never split (a path stays whole)."""
+    indent = " " * (len(label) + 2)
+    width = max(console.width, 40) if console.is_terminal else 80
+    for line in textwrap.wrap(one_line(note), width, initial_indent=f"{label}: ",
+                              subsequent_indent=indent, break_long_words=False, break_on_hyphens=False):
+        console.print(escape(line), soft_wrap=True, highlight=False)
 
 
 def _full_table_hint(console, report: str | Path | None) -> None:
@@ -205,7 +227,7 @@ def recorded_line(report, record) -> str | None:
             ", ".join(f"{k} {v['metric']} {v['value']:.2%}" for k, v in entry["outputs"].items())
         worst.append(f"{fmt} {shown}{'' if entry['passed'] else ' FAILED'}")
     files = ", ".join(Path(f["path"]).name for f in record.get("files", []))
-    return (f"on your observations ({record.get('rows')} rows of {files}; {record.get('out_of_bounds', 0)} outside the "
+    return (f"{record.get('rows')} rows of {files} ({record.get('out_of_bounds', 0)} outside the "
             f"space's bounds): " + "; ".join(worst))
 
 
@@ -253,7 +275,7 @@ def cmd_verify(args, console) -> int:
                   f"samples; TF {devices.get('tf_device')}, ONNX Runtime "
                   f"{', '.join(devices.get('onnxruntime_providers_used', []))})", args.verbose)
     for note in result.notes:
-        console.print(f"plan: {escape(one_line(note))}", soft_wrap=True, highlight=False)
+        print_note(console, "plan", note)
     from policy_export.exporter.reports import record_problems
 
     for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
@@ -400,12 +422,15 @@ def _reports_on_failure(args):
         raise
 
 
-def _emit_policy_reports(args, reports_by_policy: dict, paths: dict) -> None:
+def _emit_policy_reports(args, reports_by_policy: dict, paths: dict, signatures: dict | None = None) -> None:
     """The reports of ``convert`` over one policy (as ``export`` writes them) or several
-    (``--all-policies``: the JSON keyed by policy id, a JUnit test suite per policy)."""
+    (``--all-policies``: the JSON keyed by policy id, a JUnit test suite per policy); with
+    ``signatures`` (policy id -> the ``signature`` entry of an export signed) each names its signer."""
+    signatures = signatures or {}
     if len(reports_by_policy) == 1:
         (pid, report), = reports_by_policy.items()
-        _emit_reports(args, report, "convert", extra={"path": paths[pid], "policy_id": pid})
+        signed = {"signature": signatures[pid]} if pid in signatures else {}
+        _emit_reports(args, report, "convert", extra={"path": paths[pid], "policy_id": pid, **signed})
         return
     from policy_export.exporter import reports
 
@@ -413,15 +438,18 @@ def _emit_policy_reports(args, reports_by_policy: dict, paths: dict) -> None:
         if args.report_json:
             reports.write_json(args.report_json, {
                 "passed": all(r.passed for r in reports_by_policy.values()),
-                "policies": {pid: {"path": paths[pid], "passed": r.passed, **r.to_json()}
+                "policies": {pid: {"path": paths[pid], "passed": r.passed, **r.to_json(),
+                                   **({"signature": signatures[pid]} if pid in signatures else {})}
                              for pid, r in reports_by_policy.items()}})
         if args.junit:
-            Path(args.junit).write_text(reports.junit_many({f"convert.{pid}": r for pid, r in reports_by_policy.items()}),
+            Path(args.junit).write_text(reports.junit_many({f"convert.{pid}": r for pid, r in reports_by_policy.items()},
+                                                           {f"convert.{pid}": e for pid, e in signatures.items()}),
                                         encoding="utf-8")
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             with open(summary, "a", encoding="utf-8") as f:
-                f.writelines(reports.markdown_summary(r, f"convert {pid}") for pid, r in reports_by_policy.items())
+                f.writelines(reports.markdown_summary(r, f"convert {pid}", (), signatures.get(pid))
+                             for pid, r in reports_by_policy.items())
     except OSError as e:
         from policy_export.errors import ExportError
 
@@ -537,8 +565,10 @@ def cmd_export_many(args, console) -> int:
 
     _check_report_paths(args, args.out)
     run = _many_run_options(args)
+    sign = _many_sign_request(args)
     with _many_progress(args) as shown:
-        result = export_many(args.sources, args.out, force=args.force, **run, **shown, **_many_options(args))
+        result = export_many(args.sources, args.out, force=args.force, sign=sign, **run, **shown,
+                             **_many_options(args))
     return _many_report(args, console, result, f"export-many {args.out}")
 
 
@@ -548,7 +578,8 @@ def cmd_verify_many(args, console) -> int:
     _check_report_paths(args, args.root)
     run = _many_run_options(args)
     with _many_progress(args) as shown:
-        result = verify_many(args.root, **run, **shown, **_many_options(args))
+        result = verify_many(args.root, signature=_many_signature_request(args), **run, **shown,
+                             **_many_options(args))
     return _many_report(args, console, result, f"verify-many {args.root}")
 
 
@@ -594,7 +625,7 @@ def _sign_request(args):
     """``export --sign-key``: the signing request checked before any work (the extra, the key, a
     signature path outside the export); ``None`` when no signing was asked for."""
     if not (getattr(args, "sign_key", None) or getattr(args, "sign_keyless", False)):
-        for flag in ("signing_certificate", "certificate_chain", "signature_file"):
+        for flag in ("signing_certificate", "certificate_chain", "signature_file", "sign_key_password_env"):
             if getattr(args, flag, None):
                 from policy_export.errors import InputError
 
@@ -602,27 +633,67 @@ def _sign_request(args):
         return None
     from policy_export.exporter.signing import check_sign_inputs
 
-    return check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+    path = check_sign_inputs(args.out, args.sign_key, getattr(args, "signature_file", None),
+                             signing_certificate=args.signing_certificate,
                              certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    args.sign_password = _sign_password(args)
+    return path
 
 
-def _sign_exports(args, console, paths, sign_to) -> None:
-    """Sign each export just written (``sign_to``: the signature path of a single one)."""
+def _sign_password(args) -> bytes | None:
+    """The password of an encrypted ``--sign-key``: from ``--sign-key-password-env VAR``, else
+    asked (no echo) where stdin is a terminal; checked against the key now, before any work."""
+    import getpass
+
+    from policy_export.exporter.signing import key_password
+
+    try:
+        interactive = sys.stdin is not None and sys.stdin.isatty()
+    except (OSError, ValueError):  # a closed or replaced stdin: not a terminal
+        interactive = False
+    return key_password(args.sign_key, args.sign_key_password_env, signing_certificate=args.signing_certificate,
+                        ask=getpass.getpass if interactive else None)
+
+
+def _many_sign_request(args):
+    """``export-many --sign-key``: the signing request, checked (and the key's password read) before
+    anything runs; ``None`` when no signing was asked for."""
+    if _sign_request(args) is None:
+        return None
+    from policy_export.exporter.signing import SignRequest
+
+    return SignRequest(args.sign_key, args.signing_certificate, tuple(args.certificate_chain), args.sign_keyless,
+                       args.sign_password)
+
+
+def _many_signature_request(args) -> dict | None:
+    """``verify-many --public-key`` (or a certificate chain, or an identity): how each export's
+    signature is checked; ``None`` when none is to be."""
+    request = dict(public_key=args.public_key, certificate_chain=args.certificate_chain, identity=args.identity,
+                   issuer=args.identity_issuer)
+    return request if any(request.values()) else None
+
+
+def _sign_exports(args, paths: dict, sign_to) -> dict:
+    """Sign each export just written (``paths``: policy id -> export; ``sign_to``: the signature
+    path of a single one): policy id -> (what was signed, the reports' ``signature`` entry)."""
     if sign_to is None:
-        return
+        return {}
     from policy_export.errors import InputError
     from policy_export.exporter.signing import sign_export
 
     if len(paths) > 1 and args.signature_file:
         raise InputError(f"--signature-file names one file and {len(paths)} exports were written (unsigned); sign each "
                          f"with `{PROG} sign OUT --sign-key KEY` (each signature then goes beside its export)")
-    for path in paths:
+    out = {}
+    for pid, path in paths.items():
+        start = time.perf_counter()
         signed = sign_export(path, args.sign_key, args.signature_file if len(paths) == 1 else None,
                              signing_certificate=args.signing_certificate, certificate_chain=args.certificate_chain,
-                             keyless=args.sign_keyless)
-        console.print(f"signed [bold]{escape(one_line(str(path)))}[/bold] ({signed.files} files) with "
-                      f"{escape(signed.signer)}: {escape(one_line(str(signed.signature)))}", soft_wrap=True,
-                      highlight=False)
+                             keyless=args.sign_keyless, password=getattr(args, "sign_password", None))
+        out[pid] = signed, {"path": str(signed.signature), "passed": True, "signer": signed.signer, **signed.info,
+                            "files": signed.files, "problems": [], "seconds": round(time.perf_counter() - start, 3)}
+    return out
 
 
 _SIGNATURE_FLAGS = ("signature_file", "public_key", "certificate_chain", "identity", "identity_issuer")
@@ -648,14 +719,14 @@ def _check_signature(args, console, request, problems: list) -> dict:
         return {}
     from policy_export.exporter.signing import verify_signature
 
+    start = time.perf_counter()
     check = verify_signature(args.out, **request)
     problems.extend(check.problems)
     if check.passed:
         console.print(f"signature {escape(one_line(str(check.signature)))}: signed by {escape(check.signer)}; covers "
                       f"{len(check.files)} files, the export as its manifest lists it", soft_wrap=True,
                       highlight=False)
-    return {"signature": {"path": str(check.signature), "passed": check.passed, "signer": check.signer,
-                          "files": len(check.files), "problems": check.problems}}
+    return {"signature": {**check.to_json(), "seconds": round(time.perf_counter() - start, 3)}}
 
 
 def cmd_sign(args, console) -> int:
@@ -665,6 +736,7 @@ def cmd_sign(args, console) -> int:
 
     check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
                       certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    password = _sign_password(args)
     read_manifest(Path(args.out))  # not an export: refused before TensorFlow loads
     _heavy_imports(args)
     from policy_export.exporter.verify import verify_export
@@ -677,7 +749,7 @@ def cmd_sign(args, console) -> int:
         print(f"{PROG}: sign refused: {args.out} fails verify; nothing was signed", file=sys.stderr)
         return EXIT_CHECK_FAILED
     signed = sign_export(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
-                         certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+                         certificate_chain=args.certificate_chain, keyless=args.sign_keyless, password=password)
     console.print(f"verified and signed [bold]{escape(one_line(args.out))}[/bold] ({signed.files} files) with "
                   f"{escape(signed.signer)}: {escape(one_line(str(signed.signature)))}", soft_wrap=True,
                   highlight=False)

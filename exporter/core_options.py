@@ -231,25 +231,30 @@ SIGNATURE = Option("signature_file", "the export's signature (default OUT.sig, b
                    metavar="PATH")
 CERTIFICATE_CHAIN = Option("certificate_chain", "certificate chain (PEM) of a certificate signature; repeatable",
                            (), kind="list", metavar="PEM")
-SIGN = (
+# a league entry sets none of them: one run signs with one key (checked, and its password read, once
+# before anything runs, in the driver), and signing changes no export, so it is no part of a job
+SIGNER = (
     Option("sign_key", "sign the export with this elliptic-curve private key (PEM; the signing extra)",
            metavar="KEY"),
+    Option("sign_key_password_env", "the name of an environment variable holding the password of an encrypted "
+           "--sign-key (never the password itself; without it a terminal asks, elsewhere an encrypted key is "
+           "refused)", metavar="VAR"),
     Option("signing_certificate", "with --sign-key: sign with this certificate (PEM) of the key instead",
            metavar="PEM"),
     CERTIFICATE_CHAIN,
     Option("sign_keyless", "sign through Sigstore's OIDC flow instead of a key (needs the network)", False,
            kind="flag"),
-    SIGNATURE,
 )
-SIGNATURE_CHECK = (
+SIGN = (*SIGNER, SIGNATURE)
+SIGNATURE_CHECKER = (
     Option("public_key", "check the export's signature (OUT.sig, or --signature-file) with this public key (PEM; the "
            "signing extra)", metavar="KEY"),
     CERTIFICATE_CHAIN,
     Option("identity", "check a keyless signature: the signer's identity (e.g. name@example.com; needs the network)",
            metavar="IDENTITY"),
     Option("identity_issuer", "check a keyless signature: the identity's OIDC issuer", metavar="URL"),
-    SIGNATURE,
 )
+SIGNATURE_CHECK = (*SIGNATURE_CHECKER, SIGNATURE)
 
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,
@@ -343,7 +348,9 @@ EXPORT_MANY = (
            type=int, metavar="N"),
     Option("force", "export every policy again, also those whose export is current", False, kind="flag"),
     *MANY,
+    *SIGNER,  # each export signed beside it, ROOT/<name>.sig (one --signature-file cannot name them all)
 )
+VERIFY_MANY = (*MANY, *SIGNATURE_CHECKER)  # each export's signature: ROOT/<name>.sig
 
 
 def add(parser: Any, options: Sequence[Option]) -> None:

@@ -239,65 +239,142 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
 
-def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = ()) -> str:
-    """JUnit XML: one test case per format and output (plus one for the file hashes, if checked)."""
-    cases = []
+SIGNER_FIELDS = ("method", "key_sha256", "subject", "identity", "issuer", "certificate_sha256", "path", "files")
+
+
+def signature_case(suite: str, entry: Mapping[str, Any]) -> ET.Element:
+    """The ``signature`` test case of a report's ``signature`` entry (signed by export, checked by
+    verify): who signed and with what as properties (``method`` key, certificate or sigstore; the
+    key's sha256, or the certificate's subject, identity and issuer), a failure naming each
+    problem, and the seconds it took."""
+    case = ET.Element("testcase", classname=f"{suite}.signature", name="signature",
+                      time=_seconds(entry.get("seconds")))
+    props = ET.SubElement(case, "properties")
+    for key in SIGNER_FIELDS:
+        if entry.get(key) not in (None, ""):
+            ET.SubElement(props, "property", name=f"signature.{key}", value=_one_line(entry[key]))
+    problems = [str(p) for p in entry.get("problems") or []]
+    if problems or not entry.get("passed", False):
+        message = "; ".join(problems) or "the signature was not checked"
+        ET.SubElement(case, "failure", message=message, type="SignatureMismatch").text = "\n".join(problems) or message
+    return case
+
+
+def signature_line(entry: Mapping[str, Any]) -> str:
+    """The step summary's line on a signature: who signed, or why it fails."""
+    if not entry.get("passed"):
+        return f"signature FAILED: {_one_line('; '.join(entry.get('problems') or ['not checked']))}"
+    what = {"key": f"key sha256:{entry.get('key_sha256', '')}",
+            "certificate": f"certificate {entry.get('subject', '')}", "sigstore": "Sigstore"}.get(entry.get("method"), "")
+    who = f" ({entry['identity']})" if entry.get("identity") else ""
+    return (f"signed by {_one_line(what)}{_one_line(who)} ({entry.get('method', 'unknown')}; "
+            f"{entry.get('files', 0)} files)")
+
+
+def _seconds(value: Any) -> str:
+    """A JUnit ``time``: seconds, to the microsecond."""
+    try:
+        return f"{max(float(value or 0.0), 0.0):.6f}"
+    except (TypeError, ValueError):
+        return "0.000000"
+
+
+def junit_xml(report: ParityReport, suite: str, file_problems: Sequence[str] = (),
+              signature: Mapping[str, Any] | None = None) -> str:
+    """JUnit XML: one test case per format and output (plus one for the file hashes, if checked,
+    and one for the signature, if signed or checked: :func:`signature_case`). Each case's ``time``
+    is measured: what loading a format and running its checks took (``report.seconds``), shared
+    among that format's cases; the file hashes' and the signature's own."""
+    cases: list[tuple[ET.Element, str]] = []  # each case and the format label it belongs to
     for r in report.records:
-        case = ET.Element("testcase", classname=f"{suite}.{r.format}", name=r.key, time="0")
+        case = ET.Element("testcase", classname=f"{suite}.{r.format}", name=r.key)
         if not r.passed:
             failure = ET.SubElement(case, "failure", message=r.describe(), type="ParityMismatch")
             failure.text = r.describe()
-        cases.append(case)
+        cases.append((case, r.format))
     for c in report.exploration:
-        case = ET.Element("testcase", classname=f"{suite}.{c.format}.explore", name=c.key, time="0")
+        case = ET.Element("testcase", classname=f"{suite}.{c.format}.explore", name=c.key)
         if not c.passed:
             ET.SubElement(case, "failure", message=c.describe(), type="DistributionMismatch").text = c.describe()
-        cases.append(case)
+        cases.append((case, c.format))
     for c in report.behaviour:
-        case = ET.Element("testcase", classname=f"{suite}.{c.format}.behaviour", name=c.key, time="0")
+        case = ET.Element("testcase", classname=f"{suite}.{c.format}.behaviour", name=c.key)
         if not c.passed:
             ET.SubElement(case, "failure", message=c.describe(), type="BehaviourMismatch").text = c.describe()
-        cases.append(case)
+        cases.append((case, c.format))
     for fmt, message in report.errors.items():
-        case = ET.Element("testcase", classname=f"{suite}.{fmt}", name="load", time="0")
+        case = ET.Element("testcase", classname=f"{suite}.{fmt}", name="load")
         ET.SubElement(case, "failure", message=message, type="LoadError").text = message
-        cases.append(case)
+        cases.append((case, fmt))
     if suite.startswith("verify"):
-        case = ET.Element("testcase", classname=f"{suite}.files", name="sha256", time="0")
+        case = ET.Element("testcase", classname=f"{suite}.files", name="sha256")
         if file_problems:
             failure = ET.SubElement(case, "failure", message="; ".join(file_problems), type="FileMismatch")
             failure.text = "\n".join(file_problems)
-        cases.append(case)
-    failures = sum(1 for c in cases if c.find("failure") is not None)
-    root = ET.Element("testsuites", tests=str(len(cases)), failures=str(failures))
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures),
-                       errors="0", skipped="0", time="0")
+        cases.append((case, "files"))
+    _set_times(cases, report.seconds)
+    if signature:
+        cases.append((signature_case(suite, signature), "signature"))
+    elements = [case for case, _ in cases]
+    failures = sum(1 for c in elements if c.find("failure") is not None)
+    total = sum(float(c.get("time", 0)) for c in elements)
+    root = ET.Element("testsuites", tests=str(len(elements)), failures=str(failures), time=_seconds(total))
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(elements)), failures=str(failures),
+                       errors="0", skipped="0", time=_seconds(total))
     props = ET.SubElement(ts, "properties")
     for key, value in report.devices.items():
         ET.SubElement(props, "property", name=f"device.{key}", value=str(value))
-    ts.extend(cases)
+    ts.extend(elements)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def junit_many(reports_by_suite: Mapping[str, ParityReport]) -> str:
-    """JUnit XML with one test suite per report (``suite name -> report``), as :func:`junit_xml` writes each."""
+def _timed_label(label: str, seconds: Mapping[str, float]) -> str | None:
+    """The measured label a case's format label belongs to: itself, or the longest measured label
+    it extends ("onnx (stepped 200)" -> "onnx"; "keras_v3", a file of the format "keras" -> "keras"),
+    or None."""
+    if label in seconds:
+        return label
+    found = [k for k in seconds if any(label.startswith(k + sep) for sep in (" ", ".", "_"))]
+    return max(found, key=len) if found else None
+
+
+def _set_times(cases: Sequence[tuple[ET.Element, str]], seconds: Mapping[str, float]) -> None:
+    """Each case's ``time``: its measured label's seconds shared evenly among that label's cases."""
+    owners = [_timed_label(label, seconds) for _, label in cases]
+    counts: dict[str, int] = {}
+    for owner in owners:
+        if owner is not None:
+            counts[owner] = counts.get(owner, 0) + 1
+    for (case, _), owner in zip(cases, owners):
+        case.set("time", _seconds(seconds[owner] / counts[owner] if owner is not None else 0.0))
+
+
+def junit_many(reports_by_suite: Mapping[str, ParityReport],
+               signatures: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """JUnit XML with one test suite per report (``suite name -> report``), as :func:`junit_xml`
+    writes each (``signatures``: suite name -> its ``signature`` entry)."""
     root = ET.Element("testsuites")
     tests = failures = 0
     for suite, report in reports_by_suite.items():
-        one = ET.fromstring(junit_xml(report, suite).split("?>", 1)[1])
+        one = ET.fromstring(junit_xml(report, suite, (), (signatures or {}).get(suite)).split("?>", 1)[1])
         tests, failures = tests + int(one.get("tests", 0)), failures + int(one.get("failures", 0))
         root.extend(one.findall("testsuite"))
     root.set("tests", str(tests))
     root.set("failures", str(failures))
+    root.set("time", _seconds(sum(float(t.get("time", 0)) for t in root.findall("testsuite"))))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[str] = ()) -> str:
-    """A Markdown table for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``)."""
+def markdown_summary(report: ParityReport, title: str, file_problems: Sequence[str] = (),
+                     signature: Mapping[str, Any] | None = None) -> str:
+    """A Markdown table for CI job summaries (e.g. ``$GITHUB_STEP_SUMMARY``); a line on the
+    signature, if signed or checked (:func:`signature_line`)."""
     status = "passed" if report.passed and not file_problems else "FAILED"
     lines = [f"### {title}: {status}", ""]
+    if signature:
+        lines.append(f"- {signature_line(signature)}")
     lines += [f"- {_one_line(p)}" for p in file_problems]
     lines += [f"- {_one_line(fmt)}: {_one_line(message)}" for fmt, message in report.errors.items()]
     lines += ["", "| format | output | max abs err | mean abs err | p99 abs err | max rel err | tolerance | result |",

@@ -25,7 +25,7 @@ import binascii
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,80 @@ def check_sign_inputs(out: str | Path, private_key: str | Path | None, signature
     return signature_path(out, signature)
 
 
+def _load_key(data: bytes, password: bytes | None) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    serialization.load_pem_private_key(data, password)
+
+
+def key_password(private_key: str | Path | None, password_env: str | None = None, *,
+                 signing_certificate: str | Path | None = None,
+                 ask: Callable[[str], str] | None = None) -> bytes | None:
+    """The password of an encrypted ``private_key``, for the command line, checked against the key
+    before any work: read from the environment variable named ``password_env`` (the password is
+    never an argument, so it is not in the process list or the shell's history), else asked with
+    ``ask`` (a prompt without echo, given where stdin is a terminal). ``None`` for a key that is not
+    encrypted (a variable named then is not read). The password is never printed.
+
+    Raises:
+        InputError: the key is encrypted and no password was given, the variable is not set, the
+            password does not decrypt the key, or an encrypted key is given with
+            ``--signing-certificate`` (model-signing's certificate signer takes no password).
+    """
+    if private_key is None:
+        if password_env:
+            raise InputError("--sign-key-password-env names the password of --sign-key KEY: give the key")
+        return None
+    data = Path(private_key).read_bytes()
+    try:
+        _load_key(data, None)
+        return None  # not encrypted
+    except TypeError:
+        pass  # "Password was not given but private key is encrypted"
+    except ValueError:
+        return None  # not a PEM private key: model-signing names the problem when it signs
+    if signing_certificate is not None:
+        raise InputError(f"--sign-key {private_key} is encrypted and model-signing's certificate signer reads "
+                         "unencrypted keys only: sign with --sign-key alone, or decrypt the key for this signature")
+    if password_env:
+        if password_env not in os.environ:
+            raise InputError(f"--sign-key-password-env {password_env}: the environment variable {password_env} is "
+                             f"not set (it holds the password of --sign-key {private_key})")
+        value, given = os.environ[password_env], f"the environment variable {password_env}"
+    elif ask is not None:
+        value, given = ask(f"password of {private_key}: "), "the password typed"
+    else:
+        raise InputError(f"--sign-key {private_key} is encrypted: name an environment variable holding its password "
+                         "with --sign-key-password-env VAR (or run on a terminal to be asked for it)")
+    secret = value.encode("utf-8")
+    try:
+        _load_key(data, secret)
+    except (TypeError, ValueError):
+        raise InputError(f"--sign-key {private_key}: wrong password ({given}): the key cannot be decrypted") from None
+    return secret
+
+
+@dataclass(frozen=True)
+class SignRequest:
+    """How to sign exports (``export-many --sign-key``): each export signed beside it, ``OUT.sig``.
+    ``password``: of an encrypted ``private_key`` (see :func:`key_password`); never shown."""
+
+    private_key: str | Path | None = None
+    signing_certificate: str | Path | None = None
+    certificate_chain: tuple[str | Path, ...] = ()
+    keyless: bool = False
+    password: bytes | None = field(default=None, repr=False)
+
+    def check(self, out: str | Path) -> Path:
+        """:func:`check_sign_inputs` of this request for the export at ``out``; its signature's path."""
+        return check_sign_inputs(out, self.private_key, signing_certificate=self.signing_certificate,
+                                 certificate_chain=self.certificate_chain, keyless=self.keyless)
+
+    def sign(self, out: str | Path) -> Signed:
+        return sign_export(out, self.private_key, signing_certificate=self.signing_certificate,
+                           certificate_chain=self.certificate_chain, keyless=self.keyless, password=self.password)
+
+
 def _hashing() -> Any:
     """Every file of the export is signed: no path ignored (git's files neither), no link followed."""
     from model_signing import hashing
@@ -105,11 +179,12 @@ class Signed:
     signature: Path
     signer: str
     files: int
+    info: dict[str, str] = field(default_factory=dict)  # signer_info(): method, key_sha256 or subject...
 
 
 def sign_export(out: str | Path, private_key: str | Path | None = None, signature: str | Path | None = None, *,
                 signing_certificate: str | Path | None = None, certificate_chain: Sequence[str | Path] = (),
-                keyless: bool = False, password: str | None = None) -> Signed:
+                keyless: bool = False, password: str | bytes | None = None) -> Signed:
     """Sign the export at ``out`` (every file, ``manifest.json`` included) with model-signing.
 
     ``private_key``: an elliptic-curve private key (PEM; ``password`` if it is encrypted); with
@@ -136,7 +211,9 @@ def sign_export(out: str | Path, private_key: str | Path | None = None, signatur
             config.use_certificate_signer(private_key=private_key, signing_certificate=signing_certificate,
                                           certificate_chain=list(certificate_chain))
         else:
-            config.use_elliptic_key_signer(private_key=private_key, password=password)
+            # cryptography takes the password as bytes (model-signing passes it on as given)
+            secret = password.encode("utf-8") if isinstance(password, str) else password
+            config.use_elliptic_key_signer(private_key=private_key, password=secret)
         config.sign(Path(out), partial)
         os.replace(partial, path)
     except (ValueError, TypeError, OSError) as e:
@@ -144,7 +221,8 @@ def sign_export(out: str | Path, private_key: str | Path | None = None, signatur
     finally:
         partial.unlink(missing_ok=True)
     bundle = _read_bundle(path)
-    return Signed(path, _signer(bundle), len(_signed_files(bundle)))
+    info = signer_info(bundle)
+    return Signed(path, describe_signer(info), len(_signed_files(bundle)), info)
 
 
 @dataclass
@@ -156,6 +234,12 @@ class SignatureCheck:
     signer: str = ""
     files: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    info: dict[str, str] = field(default_factory=dict)  # signer_info(): method, key_sha256 or subject...
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``signature`` entry of a report: path, passed, signer (text and fields), files signed, problems."""
+        return {"path": str(self.signature), "passed": self.passed, "signer": self.signer, **self.info,
+                "files": len(self.files), "problems": list(self.problems)}
 
     @property
     def passed(self) -> bool:
@@ -178,9 +262,17 @@ def check_verify_inputs(out: str | Path, signature: str | Path | None = None, pu
                         issuer: str | None = None) -> Path:
     """The cheap checks of a signature check, made before any work: the extra is installed, one
     way to check is given, the signature and key files exist. Returns the signature's path."""
-    require_signing("checking an export's signature")
+    check_verify_request(public_key, certificate_chain, identity, issuer)
     path = signature_path(out, signature)
     _readable("signature", path)
+    return path
+
+
+def check_verify_request(public_key: str | Path | None = None, certificate_chain: Sequence[str | Path] = (),
+                         identity: str | None = None, issuer: str | None = None) -> None:
+    """The checks of a signature check that need no export: the extra is installed, one way to
+    check is given, the key and certificate files exist."""
+    require_signing("checking an export's signature")
     if (identity is None) != (issuer is None):
         raise InputError("keyless signatures are checked with --identity and --identity-issuer, both")
     if identity is None and public_key is None and not certificate_chain:
@@ -189,7 +281,6 @@ def check_verify_inputs(out: str | Path, signature: str | Path | None = None, pu
     _readable("--public-key", public_key)
     for chain in certificate_chain:
         _readable("--certificate-chain", chain)
-    return path
 
 
 def verify_signature(out: str | Path, signature: str | Path | None = None, public_key: str | Path | None = None,
@@ -222,7 +313,8 @@ def verify_signature(out: str | Path, signature: str | Path | None = None, publi
                               f"{'; '.join(reasons) or _reason(e)}")
         return check
     bundle = _read_bundle(path)
-    check.signer, check.files = _signer(bundle), _signed_files(bundle)
+    check.info = signer_info(bundle)
+    check.signer, check.files = describe_signer(check.info), _signed_files(bundle)
     check.problems += _cross_check(Path(out), check.files)
     return check
 
@@ -284,25 +376,57 @@ def _signed_files(bundle: dict[str, Any]) -> dict[str, str | None]:
         raise InputError(f"the signature's in-toto statement lists no resources ({type(e).__name__}: {e})") from e
 
 
-def _signer(bundle: dict[str, Any]) -> str:
-    """Who signed, for reports: the public key's sha256 (as model-signing records it) or the
-    signing certificate's subject (and its first subject alternative name)."""
+# the OIDC issuer of a Sigstore (Fulcio) certificate: the current extension (a DER UTF8String), the old one (raw)
+_FULCIO_ISSUER = ("1.3.6.1.4.1.57264.1.8", "1.3.6.1.4.1.57264.1.1")
+
+
+def _fulcio_issuer(cert: Any) -> str:
+    for oid in _FULCIO_ISSUER:
+        for ext in cert.extensions:
+            if ext.oid.dotted_string == oid:
+                raw = getattr(ext.value, "value", b"")
+                if oid == _FULCIO_ISSUER[0] and raw[:1] == b"\x0c" and len(raw) > 2:  # UTF8String, short length
+                    raw = raw[2:]
+                return raw.decode("utf-8", errors="replace")
+    return ""
+
+
+def signer_info(bundle: dict[str, Any]) -> dict[str, str]:
+    """Who signed and with what, from the bundle, for reports: ``method`` ``key`` (with
+    ``key_sha256``, model-signing's hint of the public key), ``certificate`` (``subject``,
+    ``identity``: the subject alternative names, ``certificate_sha256``) or ``sigstore`` (a Fulcio
+    certificate: ``identity``, ``issuer``, ``subject``, ``certificate_sha256``)."""
     material = bundle.get("verificationMaterial") or {}
     hint = (material.get("publicKey") or {}).get("hint")
     if hint:
-        return f"public key sha256:{hint}"
+        return {"method": "key", "key_sha256": str(hint)}
     certs = (material.get("x509CertificateChain") or {}).get("certificates") or [material.get("certificate") or {}]
     raw = certs[0].get("rawBytes") if certs and isinstance(certs[0], dict) else None
     if not raw:
-        return "unknown signer"
+        return {"method": "unknown"}
     from cryptography import x509
 
-    cert = x509.load_der_x509_certificate(base64.b64decode(raw))
-    fingerprint = hashlib.sha256(base64.b64decode(raw)).hexdigest()
+    der = base64.b64decode(raw)
+    cert = x509.load_der_x509_certificate(der)
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         alt = ", ".join(str(getattr(n, "value", n)) for n in names)
     except x509.ExtensionNotFound:
         alt = ""
-    subject = cert.subject.rfc4514_string() or "(empty subject)"
-    return f"certificate {subject}{f' ({alt})' if alt else ''}, sha256:{fingerprint}"
+    issuer = _fulcio_issuer(cert)
+    info = {"method": "sigstore" if issuer else "certificate", "subject": cert.subject.rfc4514_string(),
+            "identity": alt, "certificate_sha256": hashlib.sha256(der).hexdigest()}
+    return {**info, "issuer": issuer} if issuer else info
+
+
+def describe_signer(info: dict[str, str]) -> str:
+    """One line naming the signer (:func:`signer_info`): "public key sha256:..." or "certificate CN=... (SANs), sha256:..."."""
+    if info.get("method") == "key":
+        return f"public key sha256:{info['key_sha256']}"
+    if info.get("method") not in ("certificate", "sigstore"):
+        return "unknown signer"
+    alt = f" ({info['identity']})" if info.get("identity") else ""
+    by = f" issued by {info['issuer']}" if info.get("issuer") else ""
+    what = "Sigstore certificate" if info["method"] == "sigstore" else "certificate"
+    return f"{what} {info.get('subject') or '(empty subject)'}{alt}{by}, sha256:{info['certificate_sha256']}"
+

@@ -7,6 +7,7 @@ format (or on candidate files standing for them) fresh from disk.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,8 +112,10 @@ class _Verify:
         self.report = ParityReport("golden_outputs", 0, opts.seed, self.device.to_json())
 
     def run(self) -> VerifyResult:
+        start = time.perf_counter()
         with self.progress.stage("check files"):
             check = manifest.check_files(self.out, self.doc, registry.paths())
+        self.report.seconds["files"] = time.perf_counter() - start  # the sha256 check, for the reports
         problems = list(check.problems)
         pin = self.opts.expect_manifest_sha256
         if pin is not None:
@@ -219,8 +222,8 @@ class _Verify:
         if recorded:
             self.report.recorded = rows.record
             return (f"recorded: {samples} rows of {', '.join(str(p) for p in self.opts.observations)} "
-                    f"({rows.record['out_of_bounds']} outside the space's bounds), each format against {ref.name}")
-        return f"fresh samples: {samples} new observations (seed {seed}), each format against {ref.name}"
+                    f"({rows.record['out_of_bounds']} outside the space's bounds), each format vs {ref.name}")
+        return f"fresh samples: {samples} new observations (seed {seed}), each format vs {ref.name}"
 
 
 def _check_candidates(candidates: Mapping[str, str | Path] | None, doc: Mapping[str, Any]) -> dict[str, Path]:

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from policy_export.errors import WeightsError
-from policy_export.policy.models import weight_key
+from policy_export.policy.layout import weight_key
 
 MAX_WEIGHTS_BYTES = 2 << 30  # declared size of all weights read from one file
 _REAL_KINDS = "fiu"  # float, signed and unsigned integer: what a weight variable can hold
@@ -43,7 +43,36 @@ def read_h5_weights(path: str | Path,
             is not in Keras's weights layout, holds a dataset that is not real numbers, or refers
             to data outside itself or beyond the size limit.
     """
-    path = Path(path)
+    return _read_file(Path(path), expected_shapes, values=True)
+
+
+def read_h5_shapes(path: str | Path, expected_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+                   hdf5_only: bool = False) -> dict[str, tuple[int, ...]] | None:
+    """The weights' keys and declared shapes, in file order, without reading any value: the file
+    is opened and checked as :func:`read_h5_weights` does (``expected_shapes`` as there: only the
+    size of the weights that fit counts towards the limit). With ``hdf5_only``, a file without
+    HDF5's signature gives ``None`` rather than an error.
+
+    Raises:
+        WeightsError: as :func:`read_h5_weights`.
+    """
+    return _read_file(Path(path), expected_shapes, values=False, hdf5_only=hdf5_only)
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # at offset 0, 512, 1024, 2048... (a user block comes first)
+
+
+def _has_signature(handle) -> bool:
+    size, offset = os.fstat(handle.fileno()).st_size, 0
+    while offset + len(_SIGNATURE) <= size:
+        handle.seek(offset)
+        if handle.read(len(_SIGNATURE)) == _SIGNATURE:
+            return True
+        offset = 512 if offset == 0 else 2 * offset
+    return False
+
+
+def _read_file(path: Path, expected_shapes, values: bool, hdf5_only: bool = False):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as e:
@@ -55,10 +84,13 @@ def read_h5_weights(path: str | Path,
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise WeightsError(str(path), ["not a regular file"])
-        return _read_weights(handle, path, expected_shapes)
+        if hdf5_only and not _has_signature(handle):
+            return None
+        handle.seek(0)
+        return _read_weights(handle, path, expected_shapes, values)
 
 
-def _read_weights(handle, path: Path, expected_shapes: Mapping[str, tuple[int, ...]] | None) -> dict[str, np.ndarray]:
+def _read_weights(handle, path: Path, expected_shapes: Mapping[str, tuple[int, ...]] | None, values: bool = True):
     try:
         with h5py.File(handle, "r") as f:
             root = _member(f, "model_weights", path) if "model_weights" in f else f
@@ -77,6 +109,8 @@ def _read_weights(handle, path: Path, expected_shapes: Mapping[str, tuple[int, .
                         raise WeightsError(str(path), [f"weight {name!r} of layer {layer!r} is not an array"])
                     found.append((weight_key(layer, name), data))
             _check_datasets(found, path, expected_shapes)
+            if not values:
+                return {key: tuple(int(d) for d in data.shape) for key, data in found}
             return {key: _read(data, key, expected_shapes) for key, data in found}
     except WeightsError:
         raise

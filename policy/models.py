@@ -9,7 +9,6 @@ Layers are named so that weights match by name: ``fc_1..fc_N``, ``fc_out``, ``<l
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,47 +17,11 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from policy_export.policy.spaces import Leaf, leaves
+from policy_export.policy.layout import ModelInput, input_name, model_inputs, weight_key  # noqa: F401 (re-exported)
+from policy_export.policy.spaces import Leaf
 from policy_export.policy.spec import ModelConfig
 
 BASE_MODEL_NAME = "base_model"
-
-
-@dataclass(frozen=True)
-class ModelInput:
-    """One base-model input: its Keras name, per-sample shape, and whether it is an image."""
-
-    name: str
-    shape: tuple[int, ...]
-    image: bool
-
-
-def input_name(leaf: Leaf) -> str:
-    """Keras input name of an observation leaf: ``obs`` for a flat space, else ``obs_<path>``."""
-    return "obs" if not leaf.path else "obs_" + "_".join(re.sub(r"\W", "_", p) for p in leaf.path)
-
-
-def model_inputs(space: gym.Space, config: ModelConfig) -> list[ModelInput]:
-    """The base model's inputs for an observation space, in leaf order."""
-    out = []
-    for leaf in leaves(space):
-        s = leaf.space
-        if isinstance(s, gym.spaces.Box):
-            image = len(s.shape) == 3 and bool(config.conv_filters)
-            shape = tuple(s.shape) if image else (int(np.prod(s.shape)),)
-        elif isinstance(s, gym.spaces.Discrete):
-            shape = (int(s.n),)
-            image = False
-        elif isinstance(s, gym.spaces.MultiDiscrete):
-            shape = (int(np.sum(s.nvec)),)
-            image = False
-        elif isinstance(s, gym.spaces.MultiBinary):
-            shape = (int(np.prod(s.shape)),)
-            image = False
-        else:  # pragma: no cover - check_supported runs first
-            raise TypeError(type(s).__name__)
-        out.append(ModelInput(input_name(leaf), shape, image))
-    return out
 
 
 def preprocess(leaf: Leaf, tensor: tf.Tensor, spec: ModelInput) -> tf.Tensor:
@@ -170,12 +133,6 @@ def build_recurrent_model(inputs: Sequence[ModelInput], config: ModelConfig, num
     out = head(seq)
     model = keras.Model([*seq_inputs, *extra, mask, h0, c0], [out, h, c], name=BASE_MODEL_NAME)
     return RecurrentModel(encoder, lstm, head, model, prev_size)
-
-
-def weight_key(layer_name: str, weight_name: str) -> str:
-    """``fc_1`` + ``base_model/fc_1/kernel:0`` -> ``fc_1/kernel``: the name weights are matched by."""
-    short = weight_name.split("/")[-1].split(":")[0]
-    return f"{layer_name}/{short}"
 
 
 def named_weights(model: keras.Model) -> list[tuple[str, object]]:

@@ -25,7 +25,8 @@ from typing import Any
 import gymnasium as gym
 
 from policy_export.policy import jsonio
-from policy_export.errors import SpecError, WeightsError
+from policy_export.errors import SpecError, UnsupportedSpaceError, WeightsError
+from policy_export.policy.layout import _MISSING, _UNEXPECTED
 from policy_export.policy.spaces import _Problems, _is_int, leaves, parse_space, space_to_json
 
 FORMAT_VERSION = 1
@@ -46,7 +47,6 @@ MAX_LSTM_CELL = 4096
 MAX_SEQ_LEN = 100_000
 MAX_PARAMETERS = 1 << 28  # estimated weights of the dense layers and LSTM (1 GiB as float32)
 WEIGHTS_DOCS = 'docs/spec.md, "Layer and weight names"'
-_MISSING, _UNEXPECTED = "missing weight ", "unexpected weight "  # how TFPolicy words these problems
 _LISTED = 8  # names listed per group when a file's names do not match; the rest are counted
 
 
@@ -107,14 +107,20 @@ class PolicySpec:
 
 
 def load_spec(path: str | Path) -> PolicySpec:
-    """Read and validate a spec: ``path`` is a ``policy.json`` or a directory holding one.
+    """Read and validate a spec: ``path`` is a ``policy.json`` or a directory holding one. The
+    weights file's names and shapes are checked against the spec's model here, before TensorFlow
+    loads (:func:`check_weights_file`); its values when the policy is built.
 
     Raises:
         SpecError: the file is missing, is not JSON, or has problems (each with its JSON path).
         UnsupportedSpaceError: a space type the package cannot export.
+        WeightsError: the weights file's names or shapes are not the model's, or the file is
+            refused by the HDF5 reader.
     """
     obj, file = read_spec_json(path)
-    return spec_from_json(obj, base_dir=file.parent, source=str(file))
+    spec = spec_from_json(obj, base_dir=file.parent, source=str(file))
+    check_weights_file(spec)
+    return spec
 
 
 def read_spec_json(path: str | Path) -> tuple[Any, Path]:
@@ -349,6 +355,32 @@ def with_names_hint(error: WeightsError, expected: Mapping[str, tuple[int, ...]]
                             f"{_listed(unexpected, found)}")
     problems.append(names_hint(expected, found))
     return WeightsError(error.source, problems)
+
+
+def check_weights_file(spec: PolicySpec) -> None:
+    """Refuse ``spec.weights`` when its weight names or shapes are not those of the spec's model
+    (:func:`policy.layout.expected_weights`), reading only the names and declared shapes (h5py,
+    no TensorFlow); the values are checked when the policy is built, and so is a file that is
+    not HDF5 at all.
+
+    Raises:
+        WeightsError: every missing, unexpected and misshapen weight, with the hint of
+            :func:`with_names_hint`; or what the HDF5 reader refuses (links leaving the file,
+            data that is not real numbers, sizes over its limit).
+    """
+    from policy_export.policy import h5io
+    from policy_export.policy.layout import expected_weights, weights_problems
+
+    if spec.weights is None:
+        return
+    try:
+        expected = expected_weights(spec)
+    except (UnsupportedSpaceError, TypeError):  # a space the model cannot take (TypeError: a leaf type)
+        return  # refused, as before, when the policy is built
+    found = h5io.read_h5_shapes(spec.weights, expected_shapes=expected, hdf5_only=True)
+    problems = weights_problems(expected, found) if found is not None else []
+    if problems:
+        raise with_names_hint(WeightsError(str(spec.weights), problems), expected, found)
 
 
 def names_hint(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> str:

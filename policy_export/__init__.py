@@ -40,9 +40,15 @@ _EXPORTS = {
     "policy_export.exporter.many": ("export_many", "verify_many", "ManyResult"),
     "policy_export.exporter.parity.compare": ("ParityReport", "Tolerance", "Tolerances"),
     "policy_export.signatures": ("Contract", "TensorSpec", "build_signature"),
+    "policy_export.exporter.quiet": ("show_library_logs",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE) + ["__version__"]
+
+
+# the first API call that imports TensorFlow loads it quietly (policy_export.exporter.quiet);
+# importing the package imports nothing heavy and changes no environment variable
+import_module("policy_export.exporter.quiet").install()
 
 
 def __getattr__(name: str):

@@ -67,6 +67,24 @@ def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
+def notes(stdout: str, label: str) -> list[str]:
+    """The ``label: ...`` notes a command printed, each joined from its wrapped lines (a line that
+    starts with a space continues the one above); every printed line fits 80 columns, but for
+    one word (a path) longer than that, which is never split."""
+    found: list[str] = []
+    lines = stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"{label}: "):
+            parts = [line]
+            for more in lines[i + 1:]:
+                if not more.startswith(" " * (len(label) + 2)):
+                    break
+                parts.append(more.strip())
+            assert all(len(p) <= 80 or " " not in p.strip() for p in lines[i:i + len(parts)]), parts
+            found.append(" ".join(parts))
+    return found
+
+
 def one_line_error(proc, code: int, fragment: str) -> None:
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()

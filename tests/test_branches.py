@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES_DIR
-from helpers import cli
+from helpers import cli, notes
 
 # The one internal this file patches (a dotted path, so that it is easy to update when modules move):
 # what ``policy-export inspect`` calls to read a contract.
@@ -407,7 +407,7 @@ def test_verify_localize_names_the_tensor_where_an_onnx_candidate_diverges(small
     assert first["tensor"] == "base_model/fc_2/MatMul:0" and first["tf_node"] == "base_model/fc_2/MatMul"
     assert first["tf_op"] == "MatMul" and first["onnx_op"] == "MatMul"
     assert 1e-3 < first["max_abs_err"] <= 0.5 + 1e-6  # one kernel entry moved by 0.5; its inputs are tanh outputs
-    plan = [line for line in proc.stdout.splitlines() if line.startswith("plan: ")]
+    plan = notes(proc.stdout, "plan")
     assert f"plan: candidates: onnx={candidate} (the export's own formats are not run)" in plan
     (where,) = [line for line in plan if line.startswith("plan: localize: ")]
     assert where == (f"plan: localize: onnx: first divergence at tensor base_model/fc_2/MatMul:0 (TF node "
@@ -423,7 +423,7 @@ def test_verify_localize_with_an_unchanged_onnx_candidate_finds_no_divergence(sm
     proc = cli("verify", str(small_export), "--candidate", f"onnx={candidate}", "--localize", "-q")
     assert proc.returncode == 0, proc.stderr
     assert _errors(proc.stderr) == []
-    (where,) = [line for line in proc.stdout.splitlines() if line.startswith("plan: localize: ")]
+    (where,) = [line for line in notes(proc.stdout, "plan") if line.startswith("plan: localize: ")]
     assert where.startswith("plan: localize: onnx: none of the ")
     assert where.endswith(" intermediate tensors shared with the frozen graph diverges; the difference arises "
                           "after them (or inside control flow)")
@@ -481,7 +481,7 @@ def test_exit_0_on_success(small_export):
     proc = cli("verify", str(small_export), "--samples", "8", "-q")
     assert proc.returncode == 0, proc.stderr
     assert _errors(proc.stderr) == []
-    assert "plan: fresh samples: 8 new observations (seed 1), each format against saved_model" in proc.stdout
+    assert "plan: fresh samples: 8 new observations (seed 1), each format vs saved_model" in notes(proc.stdout, "plan")
     assert f"verified {small_export}: files match the manifest, every format matches" in proc.stdout
 
 

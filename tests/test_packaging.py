@@ -3,6 +3,8 @@ The wheel holds the license, the full metadata and the example spec ``policy-exp
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,9 +67,11 @@ def test_public_api_names_resolve():
 
 # ----------------------------------------------------------------------------- the wheel
 
-def _build_wheel(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
     """A wheel built as a user would (``pip wheel``, build isolation) from a copy of the sources,
     so that the checkout gains no build/ folder."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
     keep = ("pyproject.toml", "README.md", "LICENSE", "policy_export", "policy", "signatures", "exporter")
     for name in keep:
@@ -83,18 +87,18 @@ def _build_wheel(tmp_path):
     return wheel
 
 
-def test_the_wheel_holds_the_license_the_example_spec_and_full_metadata(tmp_path):
+def test_the_wheel_holds_the_license_the_example_spec_and_full_metadata(wheel):
     from email.parser import Parser
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
-        names = wheel.namelist()
+    with zipfile.ZipFile(wheel) as opened:
+        names = opened.namelist()
         (license_file,) = [n for n in names if ".dist-info/" in n and n.endswith("LICENSE")]
-        assert wheel.read(license_file) == (ROOT / "LICENSE").read_bytes()
+        assert opened.read(license_file) == (ROOT / "LICENSE").read_bytes()
         for name in EXAMPLE_FILES:
-            assert wheel.read(f"policy_export/data/cartpole_mlp/{name}") == (FIXTURE / name).read_bytes()
+            assert opened.read(f"policy_export/data/cartpole_mlp/{name}") == (FIXTURE / name).read_bytes()
         (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
-        meta = Parser().parsestr(wheel.read(meta_name).decode())
+        meta = Parser().parsestr(opened.read(meta_name).decode())
     assert meta["Name"] == "policy-export" and meta["Version"] == config["version"]
     classifiers = meta.get_all("Classifier")
     assert classifiers == config["classifiers"]
@@ -156,3 +160,43 @@ def test_example_refuses_a_directory_that_is_not_empty_and_a_file(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli("example", str(empty)).returncode == 0
+
+
+def test_the_wheel_holds_tritons_model_config_schema(wheel):
+    """``inspect`` and the Triton format parse config.pbtxt with the schema the package ships."""
+    with zipfile.ZipFile(wheel) as opened:
+        data = opened.read("policy_export/exporter/formats/triton/model_config.binpb")
+    assert data == (ROOT / "exporter" / "formats" / "triton" / "model_config.binpb").read_bytes()
+
+
+def test_the_readme_commands_run_from_the_wheel_installed_outside_the_checkout(wheel, tmp_path):
+    """The wheel installed into a folder of its own (its dependencies are this environment's), run
+    from a directory outside the checkout: ``--version``, ``example``, then the README's main job
+    (export the example, verify the export), which imports nothing from the checkout."""
+    from importlib import metadata
+
+    target, work = tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    script = str(target / "bin" / "policy-export")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, script, *args], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    where = subprocess.run([sys.executable, "-c", "import policy_export; print(policy_export.__file__)"], cwd=work,
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == str(target / "policy_export" / "__init__.py")
+    assert run("--version").stdout == f"policy-export {metadata.version('policy-export')}\n"
+    done = run("example", "cartpole")
+    assert done.returncode == 0 and "policy-export export cartpole --out OUT" in done.stdout, done.stderr
+    done = run("export", "cartpole", "--out", "out/cartpole", "--formats", "saved_model,onnx,triton", "-q")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"exported {work / 'out' / 'cartpole'}: saved_model, onnx, triton (" in done.stdout
+    done = run("verify", "out/cartpole", "-q")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "verified out/cartpole: files match the manifest, every format matches"
+    done = run("inspect", "out/cartpole/triton/cartpole_mlp", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout), done.stderr[-2000:]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES_DIR
-from helpers import cli, one_line_error, snapshot
+from helpers import cli, notes, one_line_error, snapshot
 
 SPEC = FIXTURES_DIR / "cartpole_mlp"
 ROLLOUT = FIXTURES_DIR / "recorded" / "cartpole_rollout.npy"
@@ -26,7 +26,21 @@ def recorded_export(tmp_path_factory):
     done = cli("export", str(SPEC), "--out", str(root / "out"), "--formats", "saved_model,onnx",
                "--observations", str(ROLLOUT), "--observations", str(root / "more.npz"), "--samples", "500", *FAST)
     assert done.returncode == 0, done.stderr[-2000:]
+    (root / "export.out").write_text(done.stdout)
     return root
+
+
+def test_export_prints_the_worst_error_on_the_recorded_rows_apart_within_80_columns(recorded_export):
+    """The note after the verdict: rows, files, out-of-bounds count, and each format's worst
+    error on them; wrapped at 80 columns in a pipe, its continuation lines indented."""
+    (note,) = notes((recorded_export / "export.out").read_text(), "on your observations")
+    head, _, worst = note.partition("): ")
+    assert head == "on your observations: 500 rows of cartpole_rollout.npy, more.npz (0 outside the space's bounds"
+    per_format = dict(part.split(" ", 1) for part in worst.split("; "))
+    assert set(per_format) == {"saved_model", "onnx"}
+    report = json.loads((recorded_export / "out/parity/report.json").read_text())
+    err = report["on_recorded"]["onnx"]["outputs"]["action_dist_inputs"]["max_abs_err"]
+    assert per_format["onnx"] == f"{err:.2g} (action_dist_inputs)"
 
 
 def test_the_recorded_rows_join_the_plan_with_where_they_came_from(recorded_export):

@@ -250,3 +250,36 @@ def test_the_api_reports_the_signer_and_the_files_signed(signed):
     manifest = json.loads((root / "exp" / "manifest.json").read_text())
     assert set(check.files) == {f["path"] for f in manifest["files"]} | {"manifest.json"}
     assert all(check.files[f["path"]] == f["sha256"] for f in manifest["files"])
+
+
+def test_export_reports_name_the_signer_and_an_encrypted_key_takes_its_password_from_the_environment(tmp_path):
+    import hashlib
+    import xml.etree.ElementTree as ET
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = tmp_path / "enc.pem", tmp_path / "enc.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.BestAvailableEncryption(b"s3cret-pass")))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    report, junit, summary = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "s.md"
+    done = cli("export", str(SPEC), "--out", str(tmp_path / "exp"), *EXPORT_FLAGS, "--sign-key", str(private),
+               "--sign-key-password-env", "EXPORT_KEY_PASSWORD", "--report-json", str(report), "--junit", str(junit),
+               env_extra={"EXPORT_KEY_PASSWORD": "s3cret-pass", "GITHUB_STEP_SUMMARY": str(summary)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "s3cret-pass" not in done.stdout + done.stderr + report.read_text() + junit.read_text()
+    hint = hashlib.sha256(public.read_bytes()).hexdigest()  # model-signing's key hint: sha256 of the public PEM
+    entry = json.loads(report.read_text())["signature"]
+    assert entry["method"] == "key" and entry["key_sha256"] == hint and entry["passed"] and entry["seconds"] > 0
+    assert entry["path"] == str(tmp_path / "exp.sig") and (tmp_path / "exp.sig").is_file()
+    suite = ET.parse(junit).getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert all(float(c.get("time")) > 0 for c in cases) and float(suite.get("time")) > 0
+    (sig,) = [c for c in cases if c.get("name") == "signature"]
+    props = {p.get("name"): p.get("value") for p in sig.findall("properties/property")}
+    assert props["signature.method"] == "key" and props["signature.key_sha256"] == hint
+    assert f"- signed by key sha256:{hint} (key; " in summary.read_text()
+    assert cli("verify", str(tmp_path / "exp"), "--public-key", str(public)).returncode == 0
+    done = cli("export", str(SPEC), "--out", str(tmp_path / "exp2"), *EXPORT_FLAGS, "--sign-key", str(private),
+               "--sign-key-password-env", "EXPORT_KEY_PASSWORD", env_extra={"EXPORT_KEY_PASSWORD": "not-it"})
+    assert done.returncode == 2 and "wrong password" in done.stderr and not (tmp_path / "exp2").exists()

@@ -147,6 +147,26 @@ def _executor(opts: Mapping[str, Any], log_dir: Path):
                      preload=opts.get("preload", True), log_dir=str(log_dir), timeout=timeout)
 
 
+def _signed(result: dict, outs: Mapping[str, str], sign) -> dict:
+    """``result`` with its export signed (``sign``: a :class:`~exporter.signing.SignRequest`), in
+    the driver, as each policy passes (or is current): the ``signature`` entry (who signed, the
+    files, the seconds it took), or the policy failed with the reason it could not be signed."""
+    if sign is None or result.get("kind") == "verify" or result["status"] not in ("passed", "skipped"):
+        return result
+    from policy_export.errors import PolicyExportError
+
+    start = time.perf_counter()
+    try:
+        signed = sign.sign(outs[result["name"]])
+    except Exception as e:  # noqa: BLE001 - one export that cannot be signed must not stop the others
+        why = f"not signed: {e}" if isinstance(e, PolicyExportError) else f"not signed: {type(e).__name__}: {e}"
+        return {**result, "status": "failed", "failures": [*result.get("failures", []), why],
+                "signature": {"passed": False, "problems": [why], "seconds": round(time.perf_counter() - start, 3)}}
+    entry = {"path": str(signed.signature), "passed": True, "signer": signed.signer, **signed.info,
+             "files": signed.files, "problems": [], "seconds": round(time.perf_counter() - start, 3)}
+    return {**result, "signature": entry}
+
+
 def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping[str, dict], opts: Mapping[str, Any],
          write: Callable[[str], None] | None) -> ManyResult:
     """Run ``todo`` (``done``: the results of the current ones) and gather every result in order."""
@@ -157,18 +177,29 @@ def _run(all_jobs: Sequence[Job], root: Path, todo: Sequence[Job], done: Mapping
     pool = _executor(opts, root / STATE_DIR / "logs") if runnable else None
     progress = Progress(len(all_jobs), getattr(pool, "jobs", 1), write, opts.get("status"))
     results = dict(done)
-    for result in [*done.values(), *(refused(j) for j in todo if j.refused)]:
-        results[result["name"]] = result
-        progress.finished(result)
+    outs = {j.name: j.out for j in all_jobs}
 
     def finished(result: dict) -> None:
+        result = _signed(result, outs, opts.get("sign"))
         results[result["name"]] = result
         progress.finished(result)
 
+    for result in [*done.values(), *(refused(j) for j in todo if j.refused)]:
+        finished(result)
     if pool is not None:
         pool.run(runnable, progress.started, finished)
     ordered = [results[j.name] for j in all_jobs if j.name in results]
     return ManyResult(root, ordered, time.perf_counter() - start, getattr(pool, "describe", lambda: {})())
+
+
+def _current(all_jobs: Sequence[Job]) -> dict[str, dict]:
+    """The results of the jobs whose export is current (skipped), each with the seconds its check took."""
+    done = {}
+    for job in all_jobs:
+        start = time.perf_counter()
+        if is_current(job):
+            done[job.name] = {**skipped(job), "seconds": round(time.perf_counter() - start, 6)}
+    return done
 
 
 def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | None = None, ray: str | None = None,
@@ -185,25 +216,31 @@ def export_many(sources: Sequence[str | Path], root: str | Path, *, jobs: int | 
     policy's files are read in its own process, under those caps. ``progress`` receives one line
     per event (default: stderr); ``status``, where given, the counts after each (done, running,
     failed, the ETA), e.g. for a live display. ``preload=False`` starts each local process from
-    scratch instead of forking it from a process that imported the runtimes.
+    scratch instead of forking it from a process that imported the runtimes. ``sign=`` (a keyword): a
+    :class:`~exporter.signing.SignRequest`: every export that passes (or is current) is signed
+    beside it, ``root/<name>.sig``, by the driver (the key and its password never reach a job);
+    one that cannot be signed fails.
 
     Raises:
-        InputError: a bad source, league file or option, or ``root`` an existing file (before anything runs).
+        InputError: a bad source, league file, option or signing request, or ``root`` an existing
+            file (before anything runs).
     """
     preload, status = options.pop("preload", True), options.pop("status", None)
-    policy_timeout = options.pop("policy_timeout", None)
+    policy_timeout, sign = options.pop("policy_timeout", None), options.pop("sign", None)
     _check_run(jobs, memory_mb, policy_timeout)
     root = Path(root).absolute()
     _check_root(root, "export-many's ROOT (--out)")
+    if sign is not None:
+        sign.check(root / "policy")  # the extra, the key and certificates: before anything runs
     all_jobs = expand(sources, root, options)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError(f"export-many's ROOT (--out) {root}: cannot be made: {e.strerror or e}") from None
-    done = {} if force else {j.name: skipped(j) for j in all_jobs if is_current(j)}
+    done = {} if force else _current(all_jobs)
     todo = [j for j in all_jobs if j.name not in done]
     return _run(all_jobs, root, todo, done, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
-                                                 status=status, policy_timeout=policy_timeout), progress)
+                                                 status=status, policy_timeout=policy_timeout, sign=sign), progress)
 
 
 def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = None, memory_mb: float | None = None,
@@ -212,14 +249,24 @@ def verify_many(root: str | Path, *, jobs: int | None = None, ray: str | None = 
     """Verify every export under ``root`` (``root/<name>/manifest.json``), each in a process of its
     own; ``options`` are :func:`exporter.verify_export`'s (``samples``, ``seed``...); the rest as
     for :func:`export_many` (``policy_timeout=`` too). The driver only lists ``root``; each export
-    is read by its own process.
+    is read by its own process. ``signature=`` (a keyword): how to check each export's signature,
+    ``root/<name>.sig`` (:func:`exporter.signing.verify_signature`'s ``public_key``,
+    ``certificate_chain``, ``identity`` and ``issuer``): a policy whose signature is missing or
+    does not match fails, with the reasons ``verify`` gives.
 
     Raises:
         InputError: ``root`` is not a directory or holds no export, or a bad option (before anything runs).
     """
-    policy_timeout = options.pop("policy_timeout", None)
+    policy_timeout, signature = options.pop("policy_timeout", None), options.pop("signature", None)
     _check_run(jobs, memory_mb, policy_timeout)
     root = Path(root).absolute()
+    if signature is not None:
+        from policy_export.exporter.signing import check_verify_request
+
+        signature = {k: ([str(c) for c in v] if k == "certificate_chain" else None if v is None else str(v))
+                     for k, v in signature.items()}  # plain values: they travel to each policy's process
+        check_verify_request(**signature)
+        options = {**options, "signature": signature}
     all_jobs = verify_jobs(root, options)
     return _run(all_jobs, root, all_jobs, {}, dict(jobs=jobs, ray=ray, memory_mb=memory_mb, preload=preload,
                                                    status=status, policy_timeout=policy_timeout), progress)

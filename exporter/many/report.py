@@ -27,24 +27,34 @@ def to_json(results: Sequence[Mapping[str, Any]], seconds: float, extra: Mapping
 
 
 def _suite_of(result: Mapping[str, Any]) -> ET.Element:
-    """The policy's test suite: its own JUnit cases where it ran, else one case saying what happened."""
+    """The policy's test suite: its own JUnit cases where it ran, else one case saying what
+    happened; and a ``signature`` case where its export was signed or its signature checked."""
+    suite = None
     text = result.get("junit")
     if isinstance(text, str):
-        parsed = ET.fromstring(text)  # written by this package's worker
-        suite = parsed.find("testsuite")
-        if suite is not None:
-            suite.set("name", result["name"])
-            suite.set("time", str(result.get("seconds", 0)))
-            if result["status"] != "passed" and result.get("failures") and not suite.findall("testcase/failure"):
-                _case(suite, result, "run")
-            return suite
-    suite = ET.Element("testsuite", name=result["name"], time=str(result.get("seconds", 0)))
-    _case(suite, result, "skipped" if result["status"] == "skipped" else "run")
+        suite = ET.fromstring(text).find("testsuite")  # written by this package's worker
+    if suite is not None:
+        suite.set("name", result["name"])
+    else:
+        suite = ET.Element("testsuite", name=result["name"])
+        _case(suite, result, "skipped" if result["status"] == "skipped" else "run")
+    if result.get("signature"):
+        from policy_export.exporter.reports import signature_case
+
+        suite.append(signature_case(result["name"], result["signature"]))
+    if result["status"] not in ("passed", "skipped") and result.get("failures") \
+            and not suite.findall("testcase/failure"):
+        _case(suite, result, "run")
+    # the policy's whole time: its process (the export or verify) and, for export-many, its signing
+    seconds = float(result.get("seconds") or 0) + float((result.get("signature") or {}).get("seconds") or 0) \
+        if result.get("kind") != "verify" else float(result.get("seconds") or 0)
+    suite.set("time", f"{seconds:.6f}")
     return suite
 
 
 def _case(suite: ET.Element, result: Mapping[str, Any], name: str) -> None:
-    case = ET.SubElement(suite, "testcase", classname=f"{result['name']}.policy", name=name, time="0")
+    case = ET.SubElement(suite, "testcase", classname=f"{result['name']}.policy", name=name,
+                         time=f"{float(result.get('seconds') or 0):.6f}")
     if result["status"] == "skipped":
         ET.SubElement(case, "skipped", message=str(result.get("note", "current")))
     elif result["status"] != "passed":
@@ -66,6 +76,7 @@ def junit(results: Sequence[Mapping[str, Any]]) -> str:
         root.append(suite)
     root.set("tests", str(tests))
     root.set("failures", str(failures))
+    root.set("time", f"{sum(float(t.get('time', 0)) for t in root.findall('testsuite')):.6f}")
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
@@ -100,6 +111,11 @@ def markdown(results: Sequence[Mapping[str, Any]], title: str, seconds: float) -
     lines = [f"### {title}: {status}", "", f"{s['policies']} policies ({counts}) in {seconds:.1f} s", "",
              "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in rows(results)]
+    signed = [r for r in results if r.get("signature")]
+    if signed:
+        from policy_export.exporter.reports import signature_line
+
+        lines += [""] + [f"- {r['name']}: {signature_line(r['signature'])}" for r in signed]
     return "\n".join(lines) + "\n"
 
 

@@ -38,12 +38,19 @@ def _outcome(job: Job) -> dict[str, Any]:
     """Run the job; its status, the parity report's figures and what failed."""
     from policy_export.exporter.reports import junit_xml
 
+    signed: dict[str, Any] = {}
     if job.kind == "verify":
         from policy_export.exporter.verify import verify_export
 
-        result = verify_export(job.out, **job.options)
+        options = dict(job.options)
+        request = options.pop("signature", None)
+        result = verify_export(job.out, **options)
         report, problems = result.parity, list(result.file_problems)
         passed = result.passed
+        if request is not None:
+            signed = {"signature": _check_signature(job, request)}
+            problems += signed["signature"]["problems"]
+            passed = passed and signed["signature"]["passed"]
     else:
         result = _run_export(job)
         report, problems = result.parity, [f"{k}: not written: {v}" for k, v in result.missing.items()]
@@ -51,7 +58,21 @@ def _outcome(job: Job) -> dict[str, Any]:
     failures = problems + [r.describe() for r in report.failures()] + [f"{k}: {v}" for k, v in report.errors.items()]
     return {"status": PASSED if passed and not failures else FAILED, "failures": failures,
             "max_error": _max_error(report), "formats": sorted({r.format.split(" ")[0] for r in report.records}),
-            "junit": junit_xml(report, job.name, problems if job.kind == "verify" else ())}
+            "junit": junit_xml(report, job.name, problems if job.kind == "verify" else ()), **signed}
+
+
+def _check_signature(job: Job, request: Mapping[str, Any]) -> dict[str, Any]:
+    """The export's signature (``OUT.sig``) checked as ``verify --public-key`` checks it: the
+    report's ``signature`` entry, its problems named (a missing signature is one), and the seconds."""
+    from policy_export.errors import InputError
+    from policy_export.exporter.signing import verify_signature
+
+    start = time.perf_counter()
+    try:
+        entry = verify_signature(job.out, **request).to_json()
+    except InputError as e:  # no signature beside the export, or one that is not a bundle
+        entry = {"passed": False, "signer": "", "files": 0, "problems": [f"signature: {e}"]}
+    return {**entry, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def run_job(job_json: Mapping[str, Any]) -> dict[str, Any]:

@@ -137,6 +137,7 @@ class ParityReport:
     localization: list[dict[str, Any]] = field(default_factory=list)  # localize.Localization.to_json()
     behaviour: list[Any] = field(default_factory=list)  # behaviour.BehaviourCheck (lossy formats)
     recorded: dict[str, Any] | None = None  # the user's recorded observations: files, rows, bounds
+    seconds: dict[str, float] = field(default_factory=dict)  # label -> seconds its load and checks took
 
     @property
     def passed(self) -> bool:
@@ -155,7 +156,7 @@ class ParityReport:
                 "exploration": [c.to_json() for c in self.exploration],
                 "behaviour": [c.to_json() for c in self.behaviour],
                 "localization": list(self.localization), "recorded": self.recorded,
-                "on_recorded": recorded_summary(self)}
+                "on_recorded": recorded_summary(self), "seconds": {k: round(v, 6) for k, v in self.seconds.items()}}
 
 
 RECORDED = " (recorded)"

@@ -238,13 +238,13 @@ class ParityPlan:
         if self.exploration is not None:
             e = self.exploration
             lines.append(f"exploration: {e.observations} observations x {e.draws_per_observation} draws "
-                         "against the session's stored draws")
+                         "vs the session's stored draws")
         else:
             lines.append("exploration: none in the plan")
         if self.stepped is not None:
             s = self.stepped
             seqs = next(iter(s.inputs.values())).shape[1]
-            lines.append(f"stepped: {seqs} sequences x {s.steps} steps against the session's per-step outputs"
+            lines.append(f"stepped: {seqs} sequences x {s.steps} steps vs the session's per-step outputs"
                          + (" and its training-time graph" if s.training else ""))
         else:
             lines.append("stepped: none in the plan")

@@ -12,6 +12,7 @@ with the same checks (``onnx.checker`` before ONNX Runtime, the SavedModel op ch
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +177,7 @@ MAX_ERROR_TEXT = 2000
 
 
 def _guarded(label: str, report: ParityReport, collect_errors: bool, run: Callable[[], None]) -> None:
+    start = time.perf_counter()
     try:
         run()
     except model_errors() as e:  # in verify, what a model file makes its runtime raise is that format's failure
@@ -184,6 +186,8 @@ def _guarded(label: str, report: ParityReport, collect_errors: bool, run: Callab
         text = str(e) if isinstance(e, PolicyExportError) else f"{type(e).__name__}: {e}"
         # a runtime may repeat a model's own (hostile, huge) names in its message
         report.errors[label] = text if len(text) <= MAX_ERROR_TEXT else f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters)"
+    finally:  # the format's load and checks, for the reports (JUnit's time)
+        report.seconds[label] = report.seconds.get(label, 0.0) + time.perf_counter() - start
 
 
 def model_errors() -> tuple[type[BaseException], ...]:

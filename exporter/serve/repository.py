@@ -91,11 +91,9 @@ def check_written_config(text: str, where: str):
     returns the parsed ``ModelConfig``."""
     from google.protobuf import text_format
 
-    try:
-        from tritonclient.grpc import model_config_pb2
-    except ImportError as e:
-        raise InputError(f"Triton's config schema is not installed ({e}); {INSTALL_HINT}") from None
-    config = model_config_pb2.ModelConfig()
+    from policy_export.exporter.formats.triton.config import model_config_schema
+
+    config = model_config_schema()[0]()
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as e:

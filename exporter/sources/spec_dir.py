@@ -25,7 +25,11 @@ class SpecSource(Source):
         return self.opened(load_spec(path), Path(path), values)
 
     def opened(self, spec: Any, path: Path, values: Mapping[str, Any] = {}) -> Opened:  # noqa: B006 - read only
-        """A :class:`policy.PolicySpec` already parsed (the Python API takes one), as :meth:`open` makes it."""
+        """A :class:`policy.PolicySpec` already parsed (the Python API takes one), as :meth:`open` makes it;
+        its weights file's names and shapes checked before TensorFlow loads, as :func:`load_spec` does."""
+        from policy_export.policy.spec import check_weights_file
+
+        check_weights_file(spec)
         return Opened(self, path, check_values(self, values), {None: spec.observation_space}, spec)
 
     def load(self, opened: Opened, policy_id: str | None, device: Any) -> Loaded:

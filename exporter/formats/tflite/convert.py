@@ -143,6 +143,8 @@ def convert_tflite(graph_def, signature, *, quantize: bool = False, with_optiona
 
     import tensorflow as tf
 
+    from policy_export.exporter.quiet import library_output, without_converter_summary
+
     try:
         stripped = strip_seeds(graph_def)
         function, module, fixed = _concrete_function(stripped, signature, fix_optional=True)
@@ -157,7 +159,8 @@ def convert_tflite(graph_def, signature, *, quantize: bool = False, with_optiona
             converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
             if quantize:
                 converter.optimizations = [tf.lite.Optimize.DEFAULT]
-            data = converter.convert()
+            with library_output(without_converter_summary):
+                data = converter.convert()
     except ExportError:
         raise
     except Exception as e:  # the converter raises ConverterError, ValueError, ...
@@ -184,11 +187,11 @@ def check_litert_runs(data: bytes, what: str) -> str:
     Raises:
         ConversionError: the interpreter has no kernel for an op of the model (named, with its version).
     """
-    from policy_export.exporter.formats.tflite.interpreter import interpreter_class
+    from policy_export.exporter.formats.tflite.interpreter import create_interpreter, interpreter_class
 
     cls, origin = interpreter_class()
     try:
-        cls(model_content=data).allocate_tensors()
+        create_interpreter(cls, model_content=data)
     except (RuntimeError, ValueError) as e:
         found = re.findall(r"[Dd]idn't find (?:op|custom op) for (?:builtin opcode )?'?([\w-]+)'?(?: version '?(\d+)'?)?", str(e))
         named = ", ".join(f"{op} version {v}" if v else op for op, v in found) or str(e).strip().splitlines()[0]

@@ -24,7 +24,7 @@ from policy_export.exporter.formats.tflite.convert import (
     ALL_INPUTS_SIGNATURE, EXPLORE_SIGNATURE, SIGNATURE_KEY, check_tflite_file,
 )
 from policy_export.exporter.formats.runner import Runner, TensorMeta, with_defaults
-from policy_export.exporter.formats.tflite.interpreter import interpreter_class
+from policy_export.exporter.formats.tflite.interpreter import create_interpreter, interpreter_class
 from policy_export.errors import ExportError, InputError
 from policy_export.signatures.contract import Contract
 
@@ -56,7 +56,7 @@ class TFLiteRunner(Runner):
 
             self.interpreter_name = "ai_edge_litert"
         try:
-            self.interpreter = cls(model_path=str(path), num_threads=threads)
+            self.interpreter = create_interpreter(cls, strict=False, model_path=str(path), num_threads=threads)
             signatures = self.interpreter.get_signature_list()
             if SIGNATURE_KEY not in signatures:
                 raise ExportError(f"{path} has no {SIGNATURE_KEY!r} signature (it has {sorted(signatures)})")

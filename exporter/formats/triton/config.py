@@ -12,6 +12,7 @@ and outputs, which are then not listed as inputs or outputs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,20 +128,41 @@ def render(config: ModelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCHEMA_FILE = Path(__file__).with_name("model_config.binpb")  # see write_schema.py
+SCHEMA_SOURCE = "tritonclient 2.73.0"  # where model_config.binpb was taken from
+
+
+@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
+def model_config_schema():
+    """Triton's own ``ModelConfig`` message class and its ``DataType`` enum descriptor, built from
+    the shipped schema (:data:`SCHEMA_FILE`, Triton's ``model_config.proto`` as a serialized
+    ``FileDescriptorProto``) in a private descriptor pool: no ``tritonclient`` needed, and no clash
+    with tritonclient's own classes in protobuf's default pool."""
+    from google.protobuf import descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(SCHEMA_FILE.read_bytes())
+    descriptor = pool.FindMessageTypeByName("inference.ModelConfig")
+    if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
+        cls = message_factory.GetMessageClass(descriptor)
+    else:  # pragma: no cover - older protobuf
+        cls = message_factory.MessageFactory(pool).GetPrototype(descriptor)
+    return cls, pool.FindEnumTypeByName("inference.DataType")
+
+
 def check_with_triton_schema(text: str, where: str) -> bool:
-    """Parse ``text`` with Triton's own ``ModelConfig`` protobuf schema where ``tritonclient`` is
-    installed; returns whether it was checked.
+    """Parse ``text`` with Triton's own ``ModelConfig`` protobuf schema (shipped with the package:
+    :func:`model_config_schema`); returns True (it was checked).
 
     Raises:
         ConversionError: the schema rejects the text.
     """
+    from google.protobuf import text_format
+
+    model_config, _ = model_config_schema()
     try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
-    except ImportError:
-        return False
-    try:
-        text_format.Parse(text, model_config_pb2.ModelConfig())
+        text_format.Parse(text, model_config())
     except text_format.ParseError as e:
         raise ConversionError(f"{where}: Triton's ModelConfig schema rejects the config: {e}") from e
     return True
@@ -165,31 +187,28 @@ def triton_contract(model_dir: Path):
     model's own). Implicit state and sequence controls are not a client's tensors and are left out.
 
     Raises:
-        ExportError: tritonclient is not installed, or the file is not a valid ModelConfig.
+        ExportError: the file cannot be read as a regular file (links are not followed), is over
+            :data:`CONFIG_LIMIT`, or is not a valid ModelConfig.
     """
+    from google.protobuf import text_format
+
     from policy_export.errors import ExportError
     from policy_export.policy.files import read_regular
     from policy_export.signatures.contract import Contract, TensorSpec
 
-    try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
-    except ImportError as e:
-        raise ExportError(f"reading {model_dir / 'config.pbtxt'} needs Triton's schema: pip install "
-                          f"\"policy-export[serving]\" ({e})") from e
+    model_config, data_types = model_config_schema()
     try:
         raw = read_regular(model_dir / "config.pbtxt", CONFIG_LIMIT)
     except OSError as e:  # a symbolic link (ELOOP), a file that cannot be opened
         raise ExportError(f"{model_dir / 'config.pbtxt'} cannot be read as a regular file "
                           f"(links are not followed): {e.strerror}") from e
     try:
-        config = text_format.Parse(raw.decode("utf-8"), model_config_pb2.ModelConfig())
+        config = text_format.Parse(raw.decode("utf-8"), model_config())
     except (text_format.ParseError, UnicodeDecodeError) as e:
         raise ExportError(f"{model_dir / 'config.pbtxt'} is not a valid Triton ModelConfig: {e}") from e
-    pb = model_config_pb2
 
     def spec(io, optional: bool = False) -> TensorSpec:
-        value = pb.DataType.DESCRIPTOR.values_by_number.get(io.data_type)
+        value = data_types.values_by_number.get(io.data_type)
         name = value.name if value is not None else str(io.data_type)
         if name not in _TRITON_NUMPY:
             raise ExportError(f"{model_dir / 'config.pbtxt'}: {io.name!r} has data type {name}, which has no numpy dtype")
