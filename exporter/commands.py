@@ -164,9 +164,7 @@ def cmd_export(args, console) -> int:
         status = max(status, _partial_status(console, result, args))
     console.print(f"{len(results)} export{'s' if len(results) > 1 else ''} in {time.perf_counter() - start:.1f} s")
     for pid, (done, _) in signed.items():
-        console.print(f"signed [bold]{escape(one_line(paths[pid]))}[/bold] ({done.files} files) with "
-                      f"{escape(done.signer)}: {escape(one_line(str(done.signature)))}", soft_wrap=True,
-                      highlight=False)
+        print_note(console, "signed", f"{paths[pid]} ({done.files} files) with {done.signer}: {done.signature}")
     return status
 
 
@@ -723,9 +721,8 @@ def _check_signature(args, console, request, problems: list) -> dict:
     check = verify_signature(args.out, **request)
     problems.extend(check.problems)
     if check.passed:
-        console.print(f"signature {escape(one_line(str(check.signature)))}: signed by {escape(check.signer)}; covers "
-                      f"{len(check.files)} files, the export as its manifest lists it", soft_wrap=True,
-                      highlight=False)
+        print_note(console, "signature", f"{check.signature} signed by {check.signer}; covers {len(check.files)} "
+                   "files, the export as its manifest lists it")
     return {"signature": {**check.to_json(), "seconds": round(time.perf_counter() - start, 3)}}
 
 
@@ -750,7 +747,6 @@ def cmd_sign(args, console) -> int:
         return EXIT_CHECK_FAILED
     signed = sign_export(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
                          certificate_chain=args.certificate_chain, keyless=args.sign_keyless, password=password)
-    console.print(f"verified and signed [bold]{escape(one_line(args.out))}[/bold] ({signed.files} files) with "
-                  f"{escape(signed.signer)}: {escape(one_line(str(signed.signature)))}", soft_wrap=True,
-                  highlight=False)
+    print_note(console, "verified and signed", f"{args.out} ({signed.files} files) with {signed.signer}: "
+               f"{signed.signature}")
     return EXIT_OK

@@ -80,7 +80,8 @@ def notes(stdout: str, label: str) -> list[str]:
                 if not more.startswith(" " * (len(label) + 2)):
                     break
                 parts.append(more.strip())
-            assert all(len(p) <= 80 or " " not in p.strip() for p in lines[i:i + len(parts)]), parts
+            assert all(len(p) <= 80 or " " not in p.removeprefix(f"{label}: ").strip()
+                       for p in lines[i:i + len(parts)]), parts
             found.append(" ".join(parts))
     return found
 

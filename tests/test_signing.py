@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
-from helpers import cli  # noqa: E402
+from helpers import cli, notes  # noqa: E402
 
 SPEC = ROOT / "fixtures" / "cartpole_mlp"
 MODEL_SIGNING = Path(sys.executable).parent / "model_signing"
@@ -71,9 +71,10 @@ def test_an_export_signed_here_verifies_with_the_model_signing_command_line(sign
     report = root / "verify.json"
     done = cli("verify", str(root / "exp"), "--public-key", str(keys["a"][1]), "--report-json", str(report))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "signed by public key sha256:" in done.stdout and "covers 5 files" in done.stdout
     entry = json.loads(report.read_text())["signature"]
     assert entry["passed"] and entry["files"] == 5 and entry["signer"].startswith("public key sha256:")
+    assert notes(done.stdout, "signature") == [f"signature: {root / 'exp.sig'} signed by {entry['signer']}; covers "
+                                               "5 files, the export as its manifest lists it"]
 
 
 def test_an_export_signed_by_the_model_signing_command_line_verifies_here(signed, tmp_path):
@@ -210,7 +211,8 @@ def test_a_certificate_signature_round_trips_and_names_its_subject(signed, tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     done = cli("verify", str(out), "--certificate-chain", str(ca))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "signed by certificate CN=releaser" in done.stdout
+    (note,) = notes(done.stdout, "signature")
+    assert "signed by certificate CN=releaser" in note
     done = _model_signing("verify", "certificate", str(out), "--signature", str(tmp_path / "exp.sig"),
                           "--certificate_chain", str(ca))
     assert done.returncode == 0, done.stdout + done.stderr
