@@ -58,7 +58,7 @@ def parity_table(report: ParityReport, title: str):
 
 
 VERDICT_WIDTH = 80  # the verdict's widest line when stdout is not a terminal (a pipe, a CI log)
-_GROUP = re.compile(r" \((explore|recorded|stepped \d+(?: vs sequences)?)\)$")
+_GROUP = re.compile(r" \((explore|recorded(?: stepped \d+)?|stepped \d+(?: vs sequences)?)\)$")
 
 
 def split_label(label: str) -> tuple[str, str]:

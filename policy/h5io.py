@@ -46,33 +46,19 @@ def read_h5_weights(path: str | Path,
     return _read_file(Path(path), expected_shapes, values=True)
 
 
-def read_h5_shapes(path: str | Path, expected_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
-                   hdf5_only: bool = False) -> dict[str, tuple[int, ...]] | None:
+def read_h5_shapes(path: str | Path, expected_shapes: Mapping[str, tuple[int, ...]] | None = None
+                   ) -> dict[str, tuple[int, ...]]:
     """The weights' keys and declared shapes, in file order, without reading any value: the file
     is opened and checked as :func:`read_h5_weights` does (``expected_shapes`` as there: only the
-    size of the weights that fit counts towards the limit). With ``hdf5_only``, a file without
-    HDF5's signature gives ``None`` rather than an error.
+    size of the weights that fit counts towards the limit).
 
     Raises:
         WeightsError: as :func:`read_h5_weights`.
     """
-    return _read_file(Path(path), expected_shapes, values=False, hdf5_only=hdf5_only)
+    return _read_file(Path(path), expected_shapes, values=False)
 
 
-_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # at offset 0, 512, 1024, 2048... (a user block comes first)
-
-
-def _has_signature(handle) -> bool:
-    size, offset = os.fstat(handle.fileno()).st_size, 0
-    while offset + len(_SIGNATURE) <= size:
-        handle.seek(offset)
-        if handle.read(len(_SIGNATURE)) == _SIGNATURE:
-            return True
-        offset = 512 if offset == 0 else 2 * offset
-    return False
-
-
-def _read_file(path: Path, expected_shapes, values: bool, hdf5_only: bool = False):
+def _read_file(path: Path, expected_shapes, values: bool):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as e:
@@ -84,9 +70,6 @@ def _read_file(path: Path, expected_shapes, values: bool, hdf5_only: bool = Fals
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise WeightsError(str(path), ["not a regular file"])
-        if hdf5_only and not _has_signature(handle):
-            return None
-        handle.seek(0)
         return _read_weights(handle, path, expected_shapes, values)
 
 

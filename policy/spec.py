@@ -360,8 +360,8 @@ def with_names_hint(error: WeightsError, expected: Mapping[str, tuple[int, ...]]
 def check_weights_file(spec: PolicySpec) -> None:
     """Refuse ``spec.weights`` when its weight names or shapes are not those of the spec's model
     (:func:`policy.layout.expected_weights`), reading only the names and declared shapes (h5py,
-    no TensorFlow); the values are checked when the policy is built, and so is a file that is
-    not HDF5 at all.
+    no TensorFlow); a file that is not HDF5 is refused here too. The values (NaN, infinities) are
+    checked when the policy is built.
 
     Raises:
         WeightsError: every missing, unexpected and misshapen weight, with the hint of
@@ -377,8 +377,8 @@ def check_weights_file(spec: PolicySpec) -> None:
         expected = expected_weights(spec)
     except (UnsupportedSpaceError, TypeError):  # a space the model cannot take (TypeError: a leaf type)
         return  # refused, as before, when the policy is built
-    found = h5io.read_h5_shapes(spec.weights, expected_shapes=expected, hdf5_only=True)
-    problems = weights_problems(expected, found) if found is not None else []
+    found = h5io.read_h5_shapes(spec.weights, expected_shapes=expected)
+    problems = weights_problems(expected, found)
     if problems:
         raise with_names_hint(WeightsError(str(spec.weights), problems), expected, found)
 

@@ -110,6 +110,8 @@ def _bad_spec(tmp_path, how: str):
     elif how == "extra_layer":
         weights.update({"fc_3/kernel": np.zeros((16, 16), np.float32), "fc_3/bias": np.zeros(16, np.float32)})
     write_h5_weights(spec / "weights.h5", weights)
+    if how == "not_hdf5":
+        (spec / "weights.h5").write_bytes(b"weights saved by another tool\n")
     return spec
 
 
@@ -120,6 +122,7 @@ HINT = ("name your model's layers like the policy's (Dense(..., name='fc_1')), o
 
 @pytest.mark.parametrize("how,fragments", [
     ("transposed", ["weight 'fc_1/kernel' has shape [16, 4], the policy expects [4, 16]"]),
+    ("not_hdf5", ["not a readable HDF5 weights file ("]),
     ("missing_layer", ["missing weight 'fc_2/kernel'; missing weight 'fc_2/bias'; hint: the file's layers "
                        "(fc_1, fc_out) are not the policy's (fc_1, fc_2, fc_out); " + HINT]),
     ("extra_layer", ["unexpected weight 'fc_3/kernel' (the policy has no such layer weight); unexpected weight "
@@ -131,7 +134,7 @@ def test_weights_that_do_not_fit_are_refused_before_tensorflow(tmp_path, how, fr
     done = _run("export", str(spec), "--out", str(tmp_path / "out"), "--formats", "onnx")
     one_line_error(done, 2, f"cannot use weights from {spec / 'weights.h5'}: {fragments[0]}")
     assert done.stdout.strip() == "False"
-    assert done.stderr.count("hint:") == (0 if how == "transposed" else 1)
+    assert done.stderr.count("hint:") == (0 if how in ("transposed", "not_hdf5") else 1)
     assert not (tmp_path / "out").exists()
 
 
@@ -182,9 +185,11 @@ def test_the_early_refusal_words_it_as_the_policy_does(tmp_path):
         finally:
             policy.close()
         assert str(early.value) == str(built.value)
-    # a file that is not HDF5 at all is left to the reader when the policy is built
-    (spec / "weights.h5").write_bytes(b"not hdf5")
-    assert load_spec(spec).weights == spec / "weights.h5"
+    # a file that is not HDF5 at all (or empty) is refused here too
+    for data in (b"not hdf5", b""):
+        (spec / "weights.h5").write_bytes(data)
+        with pytest.raises(WeightsError, match=r"weights\.h5: not a readable HDF5 weights file \("):
+            load_spec(spec)
 
 
 API_CODE = """

@@ -126,8 +126,12 @@ def test_weights_path_resolves_relative_to_the_file(tmp_path):
     with pytest.raises(SpecError, match=r"\$\.weights: file not found"):
         load_spec(tmp_path)  # checked before any TensorFlow work
     (tmp_path / "w").mkdir()
-    (tmp_path / "w" / "weights.h5").write_bytes(b"")
-    assert load_spec(tmp_path).weights == tmp_path / "w" / "weights.h5"
+    from policy_export.policy.h5io import write_h5_weights
+    from policy_export.policy.layout import expected_weights
+
+    shapes = expected_weights(spec_from_json(dict(BASE)))
+    write_h5_weights(tmp_path / "w" / "weights.h5", {k: np.zeros(v, np.float32) for k, v in shapes.items()})
+    assert load_spec(tmp_path).weights == tmp_path / "w" / "weights.h5"  # its names and shapes checked too
 
 
 def test_spec_round_trip():

@@ -11,8 +11,8 @@ carry the max, mean and 99th-percentile absolute error.
 from __future__ import annotations
 
 import dataclasses
-
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -160,25 +160,37 @@ class ParityReport:
 
 
 RECORDED = " (recorded)"
+_RECORDED_GROUP = re.compile(r" \(recorded(?: (stepped \d+))?\)$")
+
+
+def _recorded_entry(out: dict[str, Any], label: str, key: str) -> tuple[dict[str, Any], str] | None:
+    """The summary's entry of a record labelled ``label`` and the name its output is shown by
+    (``<output> (stepped <n>)`` for the recorded episodes stepped); None outside the recorded group."""
+    match = _RECORDED_GROUP.search(label)
+    if match is None:
+        return None
+    entry = out.setdefault(label[:match.start()], {"passed": True, "outputs": {}})
+    return entry, (f"{key} ({match.group(1)})" if match.group(1) else key)
 
 
 def recorded_summary(report: "ParityReport") -> dict[str, Any] | None:
     """The recorded group alone ("on your data", apart from "on the space"): per format, the worst
-    error per output and whether it passed; None without recorded rows."""
-    rows = [r for r in report.records if r.format.endswith(RECORDED)]
-    checks = [c for c in report.behaviour if getattr(c, "format", "").endswith(RECORDED)]
-    if not rows and not checks:
-        return None
+    error per output and whether it passed (the recorded episodes stepped as outputs
+    ``<output> (stepped <n>)``); None without recorded rows."""
     out: dict[str, Any] = {}
-    for r in rows:
-        entry = out.setdefault(r.format[:-len(RECORDED)], {"passed": True, "outputs": {}})
-        entry["outputs"][r.key] = {"max_abs_err": r.max_abs_err, "atol": r.atol, "rtol": r.rtol, "passed": r.passed}
-        entry["passed"] = entry["passed"] and r.passed
-    for c in checks:
-        entry = out.setdefault(c.format[:-len(RECORDED)], {"passed": True, "outputs": {}})
-        entry["outputs"][c.key] = {"metric": c.metric, "value": c.value, "threshold": c.threshold, "passed": c.passed}
-        entry["passed"] = entry["passed"] and c.passed
-    return out
+    for r in report.records:
+        found = _recorded_entry(out, r.format, r.key)
+        if found:
+            found[0]["outputs"][found[1]] = {"max_abs_err": r.max_abs_err, "atol": r.atol, "rtol": r.rtol,
+                                             "passed": r.passed}
+            found[0]["passed"] = found[0]["passed"] and r.passed
+    for c in report.behaviour:
+        found = _recorded_entry(out, getattr(c, "format", ""), c.key)
+        if found:
+            found[0]["outputs"][found[1]] = {"metric": c.metric, "value": c.value, "threshold": c.threshold,
+                                             "passed": c.passed}
+            found[0]["passed"] = found[0]["passed"] and c.passed
+    return out or None
 
 
 def sampling_space(space: gym.Space) -> gym.Space:

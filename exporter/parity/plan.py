@@ -11,6 +11,10 @@
   (``inputs/<key>``), which rows of each file they are (``indices/<file number>``) and the
   session's outputs on them (``outputs/<key>``); the manifest's ``parity.recorded`` names each
   file with its sha256;
+  for a recurrent policy whose files give episodes and no state, also ``stepped/``: the
+  episodes kept as a stepped plan (``stepped/inputs/<key>``, ``stepped/initial_state/<i>``,
+  ``stepped/serving/<key>``, each sequence's own steps ``stepped/lengths`` and which episode
+  it is, ``stepped/episodes``: file number, episode number in the file, its steps, its first row);
 - ``parity/stepped.npz`` (recurrent policies): the step sequences ``inputs/<key>`` as
   ``[steps, sequences, ...]`` (observations, ``prev_action``, ``prev_reward``, ``seq_lens``), the
   initial state (``initial_state/<i>``), the session's per-step outputs on its serving graph
@@ -137,18 +141,24 @@ class SteppedPlan:
     initial_state: list[np.ndarray]
     serving: dict[str, np.ndarray]
     training: dict[str, np.ndarray] = field(default_factory=dict)
+    lengths: np.ndarray | None = None  # recorded episodes: each sequence's own steps (the rest is padding)
+    group: str = "stepped"  # the records' label: "<format> (<group> <steps>)"
 
     @property
     def steps(self) -> int:
         return len(next(iter(self.inputs.values())))
+
+    @property
+    def label(self) -> str:
+        return f"{self.group} {self.steps}"
 
     def check(self, fmt: str, runner: Runner, tolerances: Tolerances, report: ParityReport,
               keys: Sequence[str]) -> None:
         """Step ``runner`` through the sequences (feeding back its own state) and compare every
         step with the session's serving graph and, where stored, its training-time graph."""
         got = run_stepped(runner, self.inputs, self.initial_state)
-        report.records.extend(compare_stepped(f"{fmt} (stepped {self.steps})", self.serving, got, tolerances,
-                                              list(keys)))
+        report.records.extend(compare_stepped(f"{fmt} ({self.label})", self.serving, got, tolerances,
+                                              list(keys), self.lengths))
         if self.training:
             report.records.extend(compare_stepped(f"{fmt} (stepped {self.steps} vs sequences)", self.training, got,
                                                   tolerances, list(keys)))
@@ -157,7 +167,8 @@ class SteppedPlan:
         return {**{f"inputs/{k}": v for k, v in self.inputs.items()},
                 **{f"initial_state/{i}": s for i, s in enumerate(self.initial_state)},
                 **{f"serving/{k}": v for k, v in self.serving.items()},
-                **{f"training/{k}": v for k, v in self.training.items()}}
+                **{f"training/{k}": v for k, v in self.training.items()},
+                **({"lengths": np.asarray(self.lengths, np.int64)} if self.lengths is not None else {})}
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], contract: Contract, where: str) -> "SteppedPlan":
@@ -182,6 +193,12 @@ class SteppedPlan:
         unknown = sorted(set(inputs) - set(contract.input_keys))
         if unknown or any(state_in_key(i) not in contract.input_keys for i in range(len(initial))):
             raise ExportError(f"{where}: inputs {unknown or 'state'} do not fit the contract's inputs")
+        lengths = arrays.get("lengths")
+        if lengths is not None:
+            if lengths.shape != first.shape[1:2] or lengths.dtype.kind not in "iu" or len(lengths) == 0 \
+                    or lengths.min() < 1 or lengths.max() > first.shape[0]:
+                raise ExportError(f"{where}: lengths must be [{first.shape[1]}] steps between 1 and {first.shape[0]}")
+            plan.lengths = lengths
         return plan
 
 
@@ -193,15 +210,21 @@ class RecordedPlan:
     outputs: dict[str, np.ndarray]
     indices: list[np.ndarray] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
+    stepped: SteppedPlan | None = None  # a recurrent policy's recorded episodes, stepped with state carried
+    episodes: np.ndarray | None = None  # [sequences, 4]: file number, episode number, its steps, its first row
 
     @property
     def rows(self) -> int:
         return len(next(iter(self.inputs.values())))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
+        stepped = {} if self.stepped is None else {
+            **{f"stepped/{k}": v for k, v in self.stepped.to_arrays().items()},
+            "stepped/episodes": np.asarray(self.episodes, np.int64)}
         return {**{f"inputs/{k}": v for k, v in self.inputs.items()},
                 **{f"outputs/{k}": v for k, v in self.outputs.items()},
-                **{f"indices/{i}": np.asarray(rows, np.int64) for i, rows in enumerate(self.indices)}}
+                **{f"indices/{i}": np.asarray(rows, np.int64) for i, rows in enumerate(self.indices)},
+                **stepped}
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], contract: Contract, record: Any,
@@ -218,6 +241,15 @@ class RecordedPlan:
         _check_rows(where, "outputs", outputs, plan.rows)
         _check_against_contract(where, "inputs", inputs, contract, inputs=True)
         _check_against_contract(where, "outputs", outputs, contract, inputs=False)
+        stepped = _prefixed(arrays, "stepped/")
+        if stepped:
+            plan.stepped = SteppedPlan.from_arrays(stepped, contract, f"{where} stepped/")
+            plan.stepped.group = "recorded stepped"
+            episodes = stepped.get("episodes")
+            n = 0 if plan.stepped.lengths is None else len(plan.stepped.lengths)
+            if not n or episodes is None or episodes.shape != (n, 4) or episodes.dtype.kind not in "iu":
+                raise ExportError(f"{where}: stepped/ needs lengths and episodes [{n}, 4]")
+            plan.episodes = episodes
         return plan
 
 
@@ -253,6 +285,10 @@ class ParityPlan:
             files = ", ".join(f"{f.get('path')} ({f.get('kept')} of {f.get('rows')} rows)" for f in r.get("files", []))
             lines.append(f"recorded: {self.recorded.rows} rows of your observations ({files}; "
                          f"{r.get('out_of_bounds', 0)} outside the space's bounds)")
+            if self.recorded.stepped is not None:
+                s = self.recorded.stepped
+                lines.append(f"recorded stepped: {len(s.lengths)} episodes x at most {s.steps} steps "
+                             f"({int(s.lengths.sum())} steps) vs the session's per-step outputs, state carried")
         return lines
 
 

@@ -37,7 +37,8 @@ def session_plan(policy, contract: Contract, opts, progress: Progress,
     rows = (opts.samples * (1 + sum(fmt.reference_passes(policy) for fmt in formats.all_formats()))
             + (_explore_rows(opts.samples, opts.explore_samples) if explores else 0)
             + (opts.stepped_steps * DEFAULT_SEQUENCES if steps else 0)
-            + (recorded.rows if recorded is not None else 0))
+            + (recorded.rows if recorded is not None else 0)
+            + (_episode_rows(recorded)))
     with progress.stage("parity session", rows) as task:
         run = Counted(policy.run, task)
         golden_in = sample_inputs(policy.observation_space, policy.action_space, contract, opts.samples, opts.seed)
@@ -54,7 +55,26 @@ def session_plan(policy, contract: Contract, opts, progress: Progress,
         if recorded is not None:
             plan.recorded = RecordedPlan(recorded.inputs, run_batched(run, recorded.inputs, opts.batch_size),
                                          recorded.indices, recorded.record)
+            if _episode_rows(recorded) and policy.is_recurrent:
+                _recorded_stepped(plan.recorded, recorded.episodes, policy, contract, run)
     return plan, explore
+
+
+def _episode_rows(recorded: Any) -> int:
+    episodes = getattr(recorded, "episodes", None)
+    return 0 if episodes is None else episodes.steps * len(episodes.lengths)
+
+
+def _recorded_stepped(plan: RecordedPlan, episodes: Any, policy, contract: Contract, run) -> None:
+    """The recorded episodes stepped by the session from its initial state, state carried; the
+    plan's ``stepped`` part and the record's ``stepped`` entry."""
+    from policy_export.exporter.parity.stepped import step_recorded
+
+    initial = policy.get_initial_state()
+    inputs, serving, fed = step_recorded(run, episodes.inputs, initial, episodes.rewards, contract)
+    plan.stepped = SteppedPlan(inputs, initial, serving, lengths=episodes.lengths, group="recorded stepped")
+    plan.episodes = episodes.episodes
+    plan.record = {**plan.record, "stepped": {**episodes.record, "fed": fed}}
 
 
 def _explore_rows(samples: int, explore_samples: int) -> int:

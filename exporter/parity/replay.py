@@ -74,6 +74,9 @@ class Replay:
             n += first.shape[0] * first.shape[1]
         if self.plan.recorded is not None:
             n += self.plan.recorded.rows
+            stepped = self.plan.recorded.stepped
+            if stepped is not None and fmt.capabilities.steps_state:
+                n += stepped.steps * len(stepped.lengths)
         return n
 
     def counted(self, runner):
@@ -121,9 +124,27 @@ class Replay:
 
             report.behaviour.extend(compare_behaviour(f"{label} (recorded)", recorded.outputs, got, keys,
                                                       self.action_space, self.thresholds(fmt)))
+            if recorded.stepped is not None and fmt.capabilities.steps_state:
+                self._check_recorded_behaviour(label, runner, report, keys, self.thresholds(fmt))
             return
         report.records.extend(compare(f"{label} (recorded)", recorded.outputs, got, self.tolerances, keys,
                                       self.contract))
+        if recorded.stepped is not None and fmt.capabilities.steps_state:
+            recorded.stepped.check(label, runner, self.tolerances, report, keys)
+
+    def _check_recorded_behaviour(self, label: str, runner, report: ParityReport, keys, thresholds) -> None:
+        """A lossy format over the recorded episodes, stepped with its own state: the steps that
+        are the episodes' own, as rows."""
+        from policy_export.exporter.parity.behaviour import compare_behaviour
+        from policy_export.exporter.parity.stepped import run_stepped, valid_steps
+
+        stepped = self.plan.recorded.stepped
+        got = run_stepped(runner, stepped.inputs, stepped.initial_state)
+        mask = valid_steps(stepped.lengths, stepped.steps)
+        rows = {k: np.asarray(v)[mask] for k, v in stepped.serving.items()}
+        report.behaviour.extend(compare_behaviour(f"{label} ({stepped.label})", rows,
+                                                  {k: np.asarray(v)[mask] for k, v in got.items()}, keys,
+                                                  self.action_space, thresholds))
 
     def thresholds(self, fmt: Format):
         from policy_export.exporter.parity.behaviour import Thresholds

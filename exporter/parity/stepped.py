@@ -18,7 +18,8 @@ import numpy as np
 
 from policy_export.exporter.parity.compare import OutputParity, Runner, Tolerances, compare, compare_arrays, sample_inputs
 from policy_export.signatures.keys import (
-    OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, is_observation, is_per_step, is_state_out, state_in_key, state_out_key,
+    OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, action_key, is_observation, is_per_step, is_state_out, state_in_key,
+    state_out_key,
 )
 
 from policy_export.exporter.defaults import DEFAULT_SEQUENCES, DEFAULT_STEPS  # noqa: E402,F401 (re-exported)
@@ -92,8 +93,10 @@ def _nest(policy, leaf_feeds: Mapping[str, np.ndarray]):
 
 
 def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
-                    tolerances: Tolerances, keys: list[str]) -> list[OutputParity]:
-    """Compare ``[steps, ...]`` outputs; each record names the step of its largest error."""
+                    tolerances: Tolerances, keys: list[str], lengths: np.ndarray | None = None) -> list[OutputParity]:
+    """Compare ``[steps, ...]`` outputs; each record names the step of its largest error. With
+    ``lengths`` (``[sequences]``: recorded episodes) only each sequence's first ``lengths`` steps
+    are compared, the steps after an episode's end being padding."""
     records = []
     for key in keys:
         if key not in reference:
@@ -104,6 +107,10 @@ def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Map
         ref, got = np.asarray(reference[key]), np.asarray(actual[key])
         if is_state_out(key) and "chunk_ends" in reference:
             got = got[reference["chunk_ends"]]
+        step_of = None
+        if lengths is not None and got.shape == ref.shape and ref.ndim >= 2:
+            mask = valid_steps(lengths, len(ref))
+            step_of, ref, got = np.nonzero(mask)[0], ref[mask], got[mask]
         record = compare_arrays(label, key, ref, got, tolerances.for_output(key),
                                 allow_non_finite=tolerances.allows_non_finite(key))
         if got.shape == ref.shape and ref.size:
@@ -111,6 +118,49 @@ def compare_stepped(label: str, reference: Mapping[str, np.ndarray], actual: Map
             worst = int(np.argmax(per_step))
             if is_state_out(key) and "chunk_ends" in reference:
                 worst = int(reference["chunk_ends"][worst])
-            record = replace(record, worst_step=worst)
+            record = replace(record, worst_step=int(step_of[worst]) if step_of is not None else worst)
         records.append(record)
     return records
+
+
+def valid_steps(lengths: np.ndarray, steps: int) -> np.ndarray:
+    """``[steps, sequences]``: whether each step is one of its sequence's own (not padding)."""
+    return np.arange(steps)[:, None] < np.asarray(lengths)[None, :]
+
+
+def step_recorded(runner: Runner, inputs: Mapping[str, np.ndarray], initial_state: list[np.ndarray],
+                  rewards: np.ndarray | None, contract) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
+    """Step ``runner`` (the session) through recorded episodes ``[steps, sequences, ...]`` from
+    ``initial_state``, its state carried; the ``prev_action`` and ``prev_reward`` the contract
+    takes and the files do not hold are made as it steps: its own previous action, the previous
+    step's recorded reward (``rewards``, else zeros), zeros at the first step. Returns the inputs
+    every format is then fed (fixed), its per-step outputs, and what was fed, in words."""
+    steps, sequences = next(iter(inputs.values())).shape[:2]
+    made = {k: contract.input(k) for k in (PREV_ACTION, PREV_REWARD) if k in contract.input_keys and k not in inputs}
+    fed = {PREV_ACTION: "its own previous action (zero at an episode's first step)",
+           PREV_REWARD: "the previous step's recorded reward (zero at an episode's first step)" if rewards is not None
+           else "zeros (the files hold no rewards)"}
+    full = {k: np.array(v) for k, v in inputs.items()}
+    for key, spec in made.items():
+        full[key] = np.zeros((steps, sequences, *(1 if d is None else d for d in spec.shape[1:])), np.dtype(spec.dtype))
+    if PREV_REWARD in made and rewards is not None:
+        full[PREV_REWARD][1:] = rewards[:-1].reshape(full[PREV_REWARD][1:].shape).astype(full[PREV_REWARD].dtype)
+    state = [np.repeat(s[None], sequences, axis=0) for s in initial_state]
+    collected: dict[str, list[np.ndarray]] = {}
+    for t in range(steps):
+        feeds = {k: v[t] for k, v in full.items()}
+        feeds.setdefault(SEQ_LENS, np.ones(sequences, np.int32))
+        feeds.update({state_in_key(i): s for i, s in enumerate(state)})
+        out = runner(feeds)
+        state = [np.asarray(out[state_out_key(i)]) for i in range(len(state))]
+        for key, value in out.items():
+            collected.setdefault(key, []).append(np.asarray(value))
+        action = np.asarray(out.get(action_key(0), np.zeros(0)))
+        if PREV_ACTION in made and t + 1 < steps:
+            if action.size == full[PREV_ACTION][t + 1].size:
+                full[PREV_ACTION][t + 1] = action.reshape(full[PREV_ACTION][t + 1].shape)
+            else:
+                fed[PREV_ACTION] = "zeros (the policy's action does not fit prev_action)"
+    said = {k: ("the recorded files' own" if k in inputs else fed[k]) for k in (PREV_ACTION, PREV_REWARD)
+            if k in contract.input_keys}
+    return full, {k: np.stack(v) for k, v in collected.items()}, said

@@ -18,7 +18,9 @@ rows kept, not by the file; every row checked against the observation space (the
 to the space's without changing kind, the shape must be the space's, NaN is refused, naming the
 key and row; rows outside the space's bounds are counted and reported, and kept). When the files
 hold more rows than ``limit``, a deterministic sub-sample (``seed``) is kept; the record says
-which rows of which file, with each file's sha256.
+which rows of which file, with each file's sha256. For a recurrent policy whose files give
+episodes and no state, a bounded sub-sample of whole episodes is also kept (:mod:`.episodes`),
+to be stepped with the state carried.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Recorded:
     inputs: dict[str, np.ndarray]
     record: dict[str, Any] = field(default_factory=dict)
     indices: list[np.ndarray] = field(default_factory=list)  # the kept rows of each file
+    episodes: Any = None  # a recurrent policy's episodes to replay stepped (episodes.Episodes), or None
 
     @property
     def rows(self) -> int:
@@ -243,4 +246,17 @@ def read_recorded(paths: Sequence[Path], observation_space, contract, limit: int
     record = {"files": described, "rows": int(sum(len(r) for r in kept)),
               "sub_sample": None if all(len(r) == f.rows for r, f in zip(kept, files)) else {"seed": seed, "limit": limit},
               "out_of_bounds": int(out_of_bounds), "filled": filled}
-    return Recorded(inputs, record, kept)
+    return Recorded(inputs, record, kept, _episodes(files, maps, leaves, contract, seed))
+
+
+def _episodes(files: list[RecordedFile], maps: list[dict[str, str]], leaves, contract, seed: int):
+    """A recurrent policy's episodes to replay stepped (:mod:`.episodes`): when the contract has
+    state inputs, no file holds them, and a file gives episodes; else None (each row one step)."""
+    from policy_export.signatures.keys import state_in_key
+
+    state = state_in_key(0)
+    if state not in contract.input_keys or any(k.startswith(state[:-1]) for m in maps for k in m.values()):
+        return None
+    from policy_export.exporter.recorded.episodes import read_episodes
+
+    return read_episodes(files, maps, leaves, contract, seed)

@@ -13,7 +13,7 @@ from typing import IO, Callable
 import numpy as np
 
 from policy_export.errors import InputError
-from policy_export.exporter.recorded.columns import CHUNK_ROWS, Column
+from policy_export.exporter.recorded.columns import CHUNK_ROWS, EPISODE_COLUMNS, Column
 
 MAX_MEMBERS = 1024
 
@@ -92,5 +92,6 @@ def columns(path: Path, kind: str) -> dict[str, Column]:
                     zf.close()
                 stream.close = close
                 return stream
-            out[key] = Column(key, shape[0], shape[1:], dtype, _streamer(opener, shape, dtype, where))
+            out[key] = Column(key, shape[0], shape[1:], dtype, _streamer(opener, shape, dtype, where),
+                              optional=key in EPISODE_COLUMNS)
     return out

@@ -9,6 +9,10 @@ from typing import Any
 import numpy as np
 
 CHUNK_ROWS = 1 << 16  # rows read at a time while a file is streamed
+EPISODE_IDS = ("episode_ids", "eps_id")  # per row: the episode it belongs to (rows of one id, in file order)
+EPISODE_ENDS = ("dones", "terminateds", "truncateds")  # per row: true ends the episode at that row
+REWARDS = "rewards"  # per row: the reward the step earned (the next step's prev_reward)
+EPISODE_COLUMNS = (*EPISODE_IDS, *EPISODE_ENDS, REWARDS)  # columns that are not inputs, read where wanted
 
 
 @dataclass

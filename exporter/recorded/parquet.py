@@ -150,4 +150,10 @@ def columns(path: Path) -> dict[str, Column]:
             raise InputError(f"--observations {path}: observations of shape {list(chunk.shape[1:])} and {list(shape)}")
     if not rows:
         raise InputError(f"--observations {path}: holds no rows")
-    return {"obs": lazy("obs", rows, shape, dtype, make)}
+    out = {"obs": lazy("obs", rows, shape, dtype, make)}
+    if names == {"item"}:  # each cell is one episode: its rows numbered as one
+        def episode_numbers():
+            for number, chunk in enumerate(make()):
+                yield np.full(len(chunk), number, np.int64)
+        out["eps_id"] = lazy("eps_id", rows, (), np.int64, episode_numbers, optional=True)
+    return out

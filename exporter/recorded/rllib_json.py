@@ -31,7 +31,8 @@ class PolicyNotNamed(InputError):
 
 LINE_LIMIT = 256 << 20  # bytes of one JSON line (one sample batch)
 INFLATE_LIMIT = 1 << 30  # bytes a compressed column may inflate to
-COLUMNS = {"obs": "obs", "prev_actions": "prev_action", "prev_rewards": "prev_reward"}
+COLUMNS = {"obs": "obs", "prev_actions": "prev_action", "prev_rewards": "prev_reward",
+           "eps_id": "eps_id", "rewards": "rewards"}  # the last two: episodes and rewards, not inputs
 
 
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
