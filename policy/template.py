@@ -40,13 +40,16 @@ def template_spec(spec_or_dir: PolicySpec | str | Path) -> PolicySpec:
 
 
 def weight_shapes(spec_or_dir: PolicySpec | str | Path) -> dict[str, tuple[int, ...]]:
-    """The weights the spec's model holds, ``layer/weight`` -> shape, in layer order (builds the model).
+    """The weights the spec's model holds, ``layer/weight`` -> shape, in layer order: what the loader
+    checks a weights file against (:func:`policy.layout.expected_weights`; no TensorFlow, no build).
 
     Raises:
         SpecError: the spec is invalid.
         UnsupportedSpaceError: a space the model cannot take.
     """
-    return {key: tuple(value.shape) for key, value in _initial_weights(spec_or_dir).items()}
+    from policy_export.policy.layout import expected_weights
+
+    return expected_weights(template_spec(spec_or_dir))
 
 
 def write_weights_template(spec_or_dir: PolicySpec | str | Path, path: str | Path, *,
@@ -65,9 +68,10 @@ def write_weights_template(spec_or_dir: PolicySpec | str | Path, path: str | Pat
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise PolicyExportError(f"{path} exists; pass overwrite=True to replace it")
-    weights = _initial_weights(spec_or_dir)
-    if zeros:
-        weights = {key: np.zeros_like(value) for key, value in weights.items()}
+    if zeros:  # no build: the shapes are the spec's own
+        weights = {key: np.zeros(shape, np.float32) for key, shape in weight_shapes(spec_or_dir).items()}
+    else:
+        weights = _initial_weights(spec_or_dir)
     from policy_export.policy import h5io
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -309,7 +309,8 @@ def test_a_spec_naming_the_schema_loads(tmp_path):
 
 
 def weights_table() -> str:
-    """The docs table of every fixture's weights, from a real build."""
+    """The docs table of every fixture's weights, as the loader checks them (the same as a real
+    build's: tests/test_early_refusals.py compares the two on every fixture)."""
     rows = ["| spec | weight (`layer/weight`) | shape |", "|---|---|---|"]
     for name in sorted(FIXTURES):
         for i, (key, shape) in enumerate(weight_shapes(FIXTURES_DIR / name).items()):

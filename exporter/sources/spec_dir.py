@@ -22,7 +22,7 @@ class SpecSource(Source):
     def open(self, path: Path, values: Mapping[str, Any]) -> Opened:
         from policy_export.policy.spec import load_spec
 
-        return self.opened(load_spec(path), Path(path), values)
+        return self._opened(load_spec(path), Path(path), values)  # load_spec checks the weights file
 
     def opened(self, spec: Any, path: Path, values: Mapping[str, Any] = {}) -> Opened:  # noqa: B006 - read only
         """A :class:`policy.PolicySpec` already parsed (the Python API takes one), as :meth:`open` makes it;
@@ -30,6 +30,9 @@ class SpecSource(Source):
         from policy_export.policy.spec import check_weights_file
 
         check_weights_file(spec)
+        return self._opened(spec, path, values)
+
+    def _opened(self, spec: Any, path: Path, values: Mapping[str, Any]) -> Opened:
         return Opened(self, path, check_values(self, values), {None: spec.observation_space}, spec)
 
     def load(self, opened: Opened, policy_id: str | None, device: Any) -> Loaded:
