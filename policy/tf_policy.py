@@ -16,7 +16,6 @@ Inputs and outputs are keyed by their signature keys (``observations``, ``explor
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 from policy_export.policy import h5io
 from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
+from policy_export.policy.exact import exact_cast
 from policy_export.policy.head import action_head
 from policy_export.errors import InputError, PolicyExportError, WeightsError
 from policy_export.policy.graph import (  # noqa: F401  (re-exported: the policy's public vocabulary)
@@ -415,7 +415,7 @@ class TFPolicy:
             if not allow_non_finite and not np.all(np.isfinite(arr)):
                 problems.append(f"weight {key!r} holds NaN or Inf values")
                 continue
-            value, problem = _exact_cast(arr, np.dtype(var.dtype.as_numpy_dtype))
+            value, problem = exact_cast(arr, np.dtype(var.dtype.as_numpy_dtype))
             if problem is not None:
                 problems.append(f"weight {key!r} {problem}")
                 continue
@@ -448,22 +448,6 @@ class TFPolicy:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
-
-
-def _exact_cast(arr: np.ndarray, want: np.dtype) -> tuple[np.ndarray | None, str | None]:
-    """``arr`` as ``want`` if every value converts exactly (float64 values that float32 holds,
-    integers within range), else the problem: a weight's values are never changed by a cast."""
-    if arr.dtype == want:
-        return arr, None
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        value = arr.astype(want)
-        exact = np.array_equal(value.astype(arr.dtype), arr, equal_nan=np.issubdtype(want, np.floating)
-                               and np.issubdtype(arr.dtype, np.floating))
-    if not exact:
-        return None, (f"has dtype {arr.dtype} values that the policy's {want} variable cannot hold exactly; "
-                      f"convert the weights to {want} first")
-    return value, None
 
 
 def _safe_cast(arr: np.ndarray, want: np.dtype) -> bool:

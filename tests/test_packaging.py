@@ -14,7 +14,7 @@ import zipfile
 import pytest
 
 from conftest import ROOT
-from helpers import cli, one_line_error
+from helpers import cli, one_line_error, snapshot
 
 
 def test_every_installed_package_lives_under_policy_export():
@@ -160,6 +160,17 @@ def test_example_refuses_a_directory_that_is_not_empty_and_a_file(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli("example", str(empty)).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["a link to an empty folder", "a link to nowhere"])
+def test_example_never_writes_through_a_link(tmp_path, kind):
+    real = tmp_path / "real"
+    if kind == "a link to an empty folder":
+        real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    before = snapshot(tmp_path)
+    one_line_error(cli("example", str(tmp_path / "link")), 2, "is a symbolic link; refusing to write through it")
+    assert snapshot(tmp_path) == before
 
 
 def test_the_wheel_holds_tritons_model_config_schema(wheel):

@@ -187,11 +187,11 @@ def _shared(levels: int = 48) -> list:
     return value
 
 
-@pytest.mark.parametrize("where,match", [
-    ("kind", "is not one this package rebuilds"),
-    ("policy_class", "is not a class name"),
-    ("custom_model", "expands to more than"),
-    ("clip", "clip"),
+@pytest.mark.parametrize("where,match", [  # wherever it stands, the read refuses it before anything walks it
+    ("kind", "holds values that expand to more than 262144 values"),
+    ("policy_class", "holds values that expand to more than 262144 values"),
+    ("custom_model", "holds values that expand to more than 262144 values"),
+    ("clip", "holds values that expand to more than 262144 values"),
     ("str", "calls str on list"),
 ], ids=lambda v: v if v in ("kind", "policy_class", "custom_model", "clip", "str") else "")
 def test_shared_references_are_never_expanded(tmp_path, where, match):

@@ -327,3 +327,159 @@ def test_activations_are_torchs_by_rllibs_names():
     np.testing.assert_allclose(got["Mish"], v * np.tanh(np.log1p(np.exp(v))), rtol=1e-5, atol=1e-7)
     with pytest.raises(Exception, match="'hardswish' is not an activation rebuilt here"):
         ModuleConfig({"fcnet_activation": "hardswish"}, "module 'm'").activation("fcnet_activation")
+
+
+# ------------------------------------------------------------------ values a file may not afford
+
+MODULE_ARGS = "learner_group/learner/rl_module/default_policy/class_and_ctor_args.pkl"
+
+
+def _module_args(monkeypatch, path: Path, model_config, *, raw_value: bytes | None = None) -> None:
+    """Rewrite a PPO module's ``class_and_ctor_args.pkl`` with ``model_config`` (RLlib's classes as
+    stand-ins that pickle by name); ``raw_value`` replaces the pickled string "ZZZMARK" by raw opcodes."""
+    import gymnasium as gym
+
+    module, catalog = _classes(monkeypatch, "ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module."
+                                            "DefaultPPOTorchRLModule", "ray.rllib.algorithms.ppo.ppo_catalog.PPOCatalog")
+    data = {"class": module, "ctor_args_and_kwargs": ((), {
+        "observation_space": gym.spaces.Box(-np.inf, np.inf, (4,), np.float32), "action_space": gym.spaces.Discrete(2),
+        "inference_only": False, "learner_only": False, "model_config": model_config, "catalog_class": catalog})}
+    raw = pickle.dumps(data, protocol=5)
+    if raw_value is not None:
+        raw = raw.replace(b"\x8c\x07ZZZMARK", raw_value, 1)
+    path.write_bytes(raw)
+
+
+def _shared_many_times() -> list:
+    value: list = [1]
+    for _ in range(7):  # 16 ** 7 = 268 million references in about a kilobyte
+        value = [value] * 16
+    return value
+
+
+def _bounded_cli(*args: str, seconds: float = 30, memory: int = 2 << 30) -> subprocess.CompletedProcess:
+    """The console script in a process limited to ``memory`` bytes of address space and ``seconds``."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    script = Path(sys.executable).parent / "policy-export"
+    return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=seconds, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("where", ["a key it reads", "a key it does not read"])
+def test_a_config_of_shared_references_is_refused_at_once(tmp_path, monkeypatch, where):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(NEWSTACK / "ppo_discrete/checkpoint", ckpt)
+    config = {"vf_share_layers": False, "fcnet_hiddens": [16]}
+    config["fcnet_hiddens" if where == "a key it reads" else "mine"] = _shared_many_times()
+    _module_args(monkeypatch, ckpt / MODULE_ARGS, config)
+    assert (ckpt / MODULE_ARGS).stat().st_size < 2000
+    before = snapshot(tmp_path)
+    done = _bounded_cli("inspect", str(ckpt))
+    one_line_error(done, 2, "holds values that expand to more than 262144 values")
+    one_line_error(cli("convert", str(ckpt), "--out", str(tmp_path / "out")), 2, "expand to more than")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_config_nested_200000_deep_is_refused(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(NEWSTACK / "ppo_discrete/checkpoint", ckpt)
+    deep = 200_000  # lists in lists, built by the unpickler without recursion: ']' * n, 1, 'a' * n
+    _module_args(monkeypatch, ckpt / MODULE_ARGS, {"vf_share_layers": False, "mine": "ZZZMARK"},
+                 raw_value=b"]" * deep + b"K\x01" + b"a" * deep)
+    one_line_error(_bounded_cli("inspect", str(ckpt)), 2, "nests values more than 100 deep")
+    one_line_error(cli("convert", str(ckpt), "--out", str(tmp_path / "out")), 2, "nests values more than 100 deep")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("fcnet_hiddens", 16, "model_config fcnet_hiddens is 16, not a list of at most 64 layer sizes"),
+    ("fcnet_hiddens", [10 ** 5000], "model_config fcnet_hiddens is [<int of 16610 bits>]"),
+    ("num_atoms", float("nan"), "model_config num_atoms is nan, not a whole number from 1 to 4096"),
+    ("num_atoms", 10 ** 5000, "model_config num_atoms is <int of 16610 bits>, not a whole number"),
+    ("log_std_clip_param", float("inf"), "model_config log_std_clip_param is inf, not a finite number"),
+    ("fcnet_activation", ["tanh"], "model_config fcnet_activation is ['tanh'], not an activation's name"),
+    ("use_lstm", "yes", "model_config use_lstm is 'yes', not true or false"),
+], ids=["sizes-a-number", "sizes-5001-digits", "atoms-nan", "atoms-5001-digits", "clip-inf", "activation-list",
+        "flag-text"])
+def test_a_config_value_of_another_kind_is_refused_naming_the_key(tmp_path, monkeypatch, key, value, fragment):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(NEWSTACK / "ppo_discrete/checkpoint", ckpt)
+    _module_args(monkeypatch, ckpt / MODULE_ARGS, {"vf_share_layers": False, "fcnet_hiddens": [16], key: value})
+    for command in (["inspect", str(ckpt)], ["convert", str(ckpt), "--out", str(tmp_path / "out")]):
+        one_line_error(cli(*command), 2, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+FILTER_STATE = "env_runner/env_to_module_connector/MeanStdFilter/state.pkl"
+
+
+def _filter_agents(tmp_path: Path, change) -> Path:
+    from policy_export.exporter.sources.safe_pickle import loads
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(NEWSTACK / "multi_agent_filter/checkpoint", ckpt)
+    state = loads((ckpt / FILTER_STATE).read_bytes(), "state")
+    change(state)
+    (ckpt / FILTER_STATE).write_bytes(pickle.dumps(state, protocol=5))
+    return ckpt
+
+
+def test_an_agent_id_of_5001_digits_is_refused(tmp_path):
+    ckpt = _filter_agents(tmp_path, lambda state: state.__setitem__(10 ** 5000, state[0]))
+    for command in (["inspect", str(ckpt)], ["convert", str(ckpt), "--out", str(tmp_path / "out"),
+                                             "--policy-id", "p0", "--filter-agent", "0"]):
+        one_line_error(cli(*command), 2, "agent id <int of 16610 bits> is not a name (at most 128 characters)")
+
+
+def test_a_filter_agent_matching_a_name_and_a_number_is_ambiguous(tmp_path):
+    ckpt = _filter_agents(tmp_path, lambda state: state.__setitem__("1", state[0]))
+    done = cli("convert", str(ckpt), "--out", str(tmp_path / "out"), "--policy-id", "p1", "--filter-agent", "1")
+    one_line_error(done, 2, "--filter-agent 1 is ambiguous: the MeanStdFilter holds agents 1 and '1'")
+    assert not (tmp_path / "out").exists()
+    done = cli("convert", str(ckpt), "--out", str(tmp_path / "out"), "--policy-id", "p1", "--filter-agent", "2")
+    one_line_error(done, 2, "holds no agent '2'; its agents: 0, 1, '1'")
+
+
+def test_float64_weights_that_float32_cannot_hold_are_refused(tmp_path):
+    from policy_export.exporter.sources.safe_pickle import loads
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(NEWSTACK / "ppo_discrete/checkpoint", ckpt)
+    state = ckpt / "learner_group/learner/rl_module/default_policy/module_state.pkl"
+    weights = loads(state.read_bytes(), "state")
+    exact = {k: v.astype(np.float64) for k, v in weights.items()}  # float64 holding float32 values: converted
+    state.write_bytes(pickle.dumps(exact, protocol=5))
+    assert cli("convert", str(ckpt), "--out", str(tmp_path / "exact"), "--formats", "saved_model").returncode == 0
+    exact["pi.net.mlp.0.bias"] = np.full(exact["pi.net.mlp.0.bias"].shape, 0.1)  # 0.1 is no float32
+    state.write_bytes(pickle.dumps(exact, protocol=5))
+    done = cli("convert", str(ckpt), "--out", str(tmp_path / "out"), "--formats", "saved_model")
+    one_line_error(done, 2, "weight pi.net.mlp.0.bias has dtype float64 values that float32 cannot hold exactly")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["ppo_box", "ppo_box_free_log_std"])
+def test_the_gaussian_log_std_is_clipped_to_log_std_clip_param(case):
+    """RLlib clamps a Box policy's log_std to ``[-log_std_clip_param, log_std_clip_param]``: with a
+    clip the recorded log-stds cross, the rebuilt graph gives RLlib's values clamped."""
+    from policy_export.exporter.sources.rlmodule.graph import load_module_policy
+    from policy_export.exporter.sources.rlmodule.reader import read_module_checkpoint
+
+    expected = expected_outputs(NEWSTACK, case)
+    recorded = expected["default_policy/action_dist_inputs"]
+    mean, log_std = np.split(recorded, 2, axis=-1)
+    clip = float(np.max(np.abs(log_std))) / 2  # the larger log-stds cross it
+    assert (np.abs(log_std) > clip * 1.01).any()
+    checkpoint = read_module_checkpoint(NEWSTACK / case / "checkpoint")
+    spec = checkpoint.module("default_policy")
+    spec.model_config["log_std_clip_param"] = clip
+    policy, _ = load_module_policy(checkpoint, spec)
+    try:
+        got = policy.session.run(policy.deterministic_outputs["action_dist_inputs"],
+                                 {policy.inputs["observations"]: expected["default_policy/obs"]})
+    finally:
+        policy.close()
+    want = np.concatenate([mean, np.clip(log_std, -clip, clip)], axis=-1)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

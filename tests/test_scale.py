@@ -11,7 +11,7 @@ import pytest
 
 from conftest import FIXTURES_DIR
 from policy_export.exporter import export_policy, export_spec, verify_export
-from policy_export.exporter.formats.onnx.model import check_external_data
+from policy_export.exporter.formats.onnx.trust import check_external_data
 from policy_export.policy import ExportError
 
 

@@ -225,7 +225,8 @@ def test_a_signal_stops_verify_inside_an_endless_onnx_loop(export, tmp_path, sig
 def test_onnx_tensors_declaring_more_than_the_file_holds_are_refused_before_onnx_runtime(export, tmp_path, kind,
                                                                                         fragment):
     from policy_export.exporter.devices import plan_devices
-    from policy_export.exporter.formats.onnx.model import DeclaredSizeError, OnnxRunner
+    from policy_export.errors import DeclaredSizeError
+    from policy_export.exporter.formats.onnx.model import OnnxRunner
 
     path = sized_model(export, tmp_path / f"{kind}.onnx", kind)
     import onnxruntime as ort
@@ -252,7 +253,8 @@ def test_verify_refuses_a_candidate_declaring_a_gigabyte_it_does_not_hold(export
 
 
 def test_the_exports_own_onnx_models_pass_and_declare_their_weights(export):
-    from policy_export.exporter.formats.onnx.model import check_declared_sizes, weight_bytes
+    from policy_export.exporter.formats.onnx.model import weight_bytes
+    from policy_export.exporter.formats.onnx.trust import check_declared_sizes
 
     model = onnx.load(str(export / "model.onnx"), load_external_data=False)
     total = check_declared_sizes(model, export / "model.onnx")

@@ -48,8 +48,9 @@ from policy_export.errors import ExportError, UnsafeCheckpointError
 from policy_export.policy import jsonio
 from policy_export.policy.files import read_regular
 from policy_export.policy.spaces import MAX_CATEGORIES, MAX_DEPTH, MAX_ELEMENTS, MAX_LEAVES
-from policy_export.exporter.sources.safe_pickle import (RANK_LIMIT, ReadBudget, Record, current_budget, loads,
-                                                        msgpack_loads, plain_dtype, reading, short_repr)
+from policy_export.exporter.sources.safe_pickle import (RANK_LIMIT, ReadBudget, Record, check_value_size,
+                                                        current_budget, loads, msgpack_loads, plain_dtype, reading,
+                                                        short_repr)
 
 STATE_LIMIT = 1 << 30  # bytes of one state file
 JSON_LIMIT = 1 << 20
@@ -59,8 +60,6 @@ STATE_FILES = {("Algorithm", "cloudpickle"): "algorithm_state.pkl", ("Algorithm"
                ("Policy", "cloudpickle"): "policy_state.pkl", ("Policy", "msgpack"): "policy_state.msgpck"}
 POLICY_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # matched whole (re.fullmatch)
 INT_LIMIT = 1 << 63  # global_timestep, a filter's count: 0 <= x < INT_LIMIT
-CONFIG_NODES = 1 << 18  # values in a policy's config, counted as repr() would visit them (shared ones again)
-CONFIG_CHARS = 16 << 20  # characters of the strings and bytes in a config, counted so too
 # config entries that are switches: a bool, an int or None, never another object whose truth is its own
 CONFIG_FLAGS = ("normalize_actions", "clip_actions", "twin_q", "dueling", "use_state_preprocessor",
                 "_use_beta_distribution", "noisy", "add_layer_norm")
@@ -528,7 +527,7 @@ def _config(config: Any, where: str) -> dict[str, Any]:
     if not isinstance(config, dict) or not config:
         raise UnsafeCheckpointError(f"{where}: policy_spec holds no readable config ({type(config).__name__}); "
                                     f"the network cannot be rebuilt without it")
-    _check_config_size(config, where)
+    check_value_size(config, f"{where}: the policy's config")
     for key in CONFIG_FLAGS:
         _flag(config.get(key), f"config {key}", where)
     for section in MODEL_KEYS:
@@ -536,28 +535,6 @@ def _config(config: Any, where: str) -> dict[str, Any]:
         for key in MODEL_FLAGS if isinstance(model, dict) else ():
             _flag(model.get(key), f"config {section}.{key}", where)
     return config
-
-
-def _check_config_size(config: dict[str, Any], where: str) -> None:
-    """Refuse a config whose ``repr`` would be larger than :data:`CONFIG_NODES` values or
-    :data:`CONFIG_CHARS` characters: values are counted as ``repr`` visits them, a shared value
-    once per reference, so a few kilobytes of shared references cannot expand into gigabytes
-    wherever the config is formatted. The walk stops at the limit: its cost is bounded too."""
-    nodes, chars, todo = 0, 0, [config]
-    while todo:
-        value = todo.pop()
-        nodes += 1
-        if isinstance(value, (str, bytes, bytearray)):
-            chars += len(value)
-        elif isinstance(value, dict):
-            todo.extend(value.keys())
-            todo.extend(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            todo.extend(value)
-        if nodes > CONFIG_NODES or chars > CONFIG_CHARS:
-            raise UnsafeCheckpointError(f"{where}: the policy's config expands to more than {CONFIG_NODES} values or "
-                                        f"{CONFIG_CHARS >> 20} MiB of text (shared references counted as often as "
-                                        "they are used)")
 
 
 # the suffixes RLlib's as_eager() and with_tracing() add to the name of an eager policy class

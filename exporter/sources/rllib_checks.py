@@ -33,6 +33,7 @@ import gymnasium as gym
 import numpy as np
 
 from policy_export.errors import ExportError
+from policy_export.exporter.sources.safe_pickle import short_repr
 from policy_export.policy.jsonio import is_utf8
 from policy_export.policy.spaces import leaves
 
@@ -58,8 +59,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short_repr(value, 60)  # never the whole repr (or str) of what a file holds
 
 
 class _Problems(list):

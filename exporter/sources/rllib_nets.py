@@ -30,6 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.errors import ExportError, WeightsError
+from policy_export.exporter.sources.safe_pickle import short_repr
+from policy_export.policy.exact import exact_cast
 
 # RLlib's get_activation_fn for TF: "linear" or None is linear, else the (lower-cased) tf.nn function
 # of that name: the tf.nn activations, each named here (a name from a file never reaches getattr)
@@ -79,8 +81,11 @@ class NetWeights:
                                             f"{list(shape)}"])
         if value.dtype.kind != "f":
             raise WeightsError(self.where, [f"weight {full} is {value.dtype}, not a float array"])
+        exact, problem = exact_cast(value, np.float32)
+        if problem is not None:
+            raise WeightsError(self.where, [f"weight {full} {problem}"])
         self.used.append(full)
-        return value.astype(np.float32)
+        return exact
 
     def dense(self, x: tf.Tensor, layer: str, units: int, activation: Any = None) -> tf.Tensor:
         """``activation(x @ kernel + bias)`` with the weights of Keras ``Dense`` layer ``layer``."""
@@ -109,9 +114,9 @@ def activation_fn(name: Any, where: str):
     Raises:
         ExportError: an activation RLlib's TF models do not know.
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in ACTIVATIONS:
-        raise ExportError(f"{where}: activation {name!r:.80} is not one this package rebuilds "
+    key = name.lower() if isinstance(name, str) else name if name is None else False
+    if key is False or key not in ACTIVATIONS:
+        raise ExportError(f"{where}: activation {short_repr(name)} is not one this package rebuilds "
                           f"({', '.join(k for k in ACTIVATIONS if k)})")
     return ACTIVATIONS[key]
 
@@ -331,8 +336,8 @@ def ddpg_actor(model_out: tf.Tensor, w: NetWeights, config: Mapping[str, Any], l
     """
     hiddens = [int(h) for h in config.get("actor_hiddens", [256, 256]) or []]
     name = config.get("actor_hidden_activation", "relu")
-    if name not in TF_NN_ACTIVATIONS:  # DDPG's getattr(tf.nn, name, tf.nn.relu): case-sensitive
-        raise ExportError(f"actor_hidden_activation {name!r}: not one of {', '.join(TF_NN_ACTIVATIONS)}")
+    if not isinstance(name, str) or name not in TF_NN_ACTIVATIONS:  # DDPG's getattr(tf.nn, name, tf.nn.relu)
+        raise ExportError(f"actor_hidden_activation {short_repr(name)}: not one of {', '.join(TF_NN_ACTIVATIONS)}")
     last = model_out
     for i, size in enumerate(hiddens):
         last = w.dense(last, f"actor_hidden_{i}", size, TF_NN_ACTIVATIONS[name])

@@ -37,8 +37,11 @@ The BUILD opcode (``__setstate__``, or attributes set on the object) reaches thr
   dtype is never changed after it is made, so no array can come to read past its buffer.
 
 Every read runs under a :class:`ReadBudget` (see :func:`reading`): pickle opcodes and msgpack
-values built, bytes decoded from base64/zlib, and wall time, checked as the file is read.
-Messages quote file content through :func:`short_repr`, never a full ``repr``.
+values built, bytes decoded from base64/zlib, and wall time, checked as the file is read. What a
+pickle or msgpack document holds is then held to :func:`check_value_size` (values and characters
+as ``repr`` would visit them, shared references counted as often as they are used, and nesting
+depth) before any caller walks it. Messages quote file content through :func:`short_repr`, never
+a full ``repr`` or ``str``.
 
 msgpack state (``checkpoint_format="msgpack"``) is decoded with size limits, and its numpy
 extension (``{"nd": ..., "type": ..., "shape": ..., "data": ...}``) is rebuilt here with the
@@ -163,6 +166,82 @@ def current_budget() -> ReadBudget:
     """The budget of the read in progress (see :func:`reading`), or a new default one."""
     budget = _BUDGET.get()
     return budget if budget is not None else ReadBudget()
+
+
+# ---------------------------------------------------------------------------------------- size
+
+# What a value read from a file may expand to, wherever it is later walked, formatted or copied
+# (``repr``, ``json.dumps``, ``deepcopy``, a recursive walk): values counted once per reference,
+# so a shared list stands for everything it holds each time it is used (a kilobyte of ``[L] * 16``
+# nested seven times is 268 million values), characters of strings, bytes and digits counted so
+# too, and nesting depth. Every pickle and msgpack document is held to it as soon as it is read.
+VALUE_NODES = 1 << 18  # values, counted as repr() would visit them (shared ones again)
+VALUE_CHARS = 16 << 20  # characters of the strings, bytes and integers among them, counted so too
+VALUE_DEPTH = 100  # containers nested in containers (records included)
+
+
+def _children(value: Any) -> Any:
+    """The values ``value`` holds (a container's items, a record's arguments and state), or None."""
+    if isinstance(value, dict):
+        return [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    if isinstance(value, Record) or (isinstance(value, type) and issubclass(value, Record)):
+        return [v for v in vars(value).values()] if isinstance(value, Record) else None
+    return None
+
+
+def _chars(value: Any) -> int:
+    if isinstance(value, (str, bytes, bytearray)):
+        return len(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value.bit_length() // 3 + 1  # about its decimal digits, without forming them
+    return 0
+
+
+def check_value_size(value: Any, where: str, nodes: int = VALUE_NODES, chars: int = VALUE_CHARS,
+                     depth: int = VALUE_DEPTH) -> None:
+    """Refuse ``value`` (read from ``where``) when it expands to more than ``nodes`` values or
+    ``chars`` characters, or nests deeper than ``depth``. Each container is sized once (a shared
+    one is then charged as often as it is referenced), so the check costs what the value really
+    holds, not what it expands to; a container that holds itself counts once, as ``repr`` prints it.
+
+    Raises:
+        UnsafeCheckpointError: over a limit, naming it.
+    """
+    sizes: dict[int, tuple[int, int, int]] = {}  # id -> (values, characters, depth) of its expansion
+    entered: set[int] = set()
+    stack: list[tuple[Any, bool, int]] = [(value, False, 1)]
+    while stack:
+        item, done, level = stack.pop()
+        key = id(item)
+        if not done:
+            if key in sizes or key in entered:
+                continue
+            held = _children(item)
+            if held is None:
+                continue
+            if level > depth:
+                raise UnsafeCheckpointError(f"{where} nests values more than {depth} deep; nothing this package "
+                                            "reads is nested so deep")
+            entered.add(key)
+            stack.append((item, True, level))
+            stack.extend((child, False, level + 1) for child in held if _children(child) is not None)
+            continue
+        total_nodes, total_chars, deepest = 1, 0, 0
+        for child in _children(item):
+            known = sizes.get(id(child))
+            if known is None:  # a leaf, or a container that holds this one (a cycle): once
+                known = (1, _chars(child), 0)
+            total_nodes += known[0]
+            total_chars += known[1]
+            deepest = max(deepest, known[2])
+        if total_nodes > nodes or total_chars > chars:
+            raise UnsafeCheckpointError(f"{where} holds values that expand to more than {nodes} values or "
+                                        f"{chars >> 20} MiB of text (shared references counted as often as they "
+                                        "are used); nothing this package reads is so large")
+        sizes[key] = (total_nodes, total_chars, deepest + 1)
+        entered.discard(key)
 
 
 # ---------------------------------------------------------------------------------------- repr
@@ -591,7 +670,9 @@ def loads(data: bytes, where: str, budget: ReadBudget | None = None) -> Any:
         UnsafeCheckpointError: anything refused, over budget, or not a readable pickle.
     """
     try:
-        return RestrictedUnpickler(io.BytesIO(data), where, budget).load()
+        value = RestrictedUnpickler(io.BytesIO(data), where, budget).load()
+        check_value_size(value, where)
+        return value
     except UnsafeCheckpointError as e:
         if str(e).startswith(where):
             raise
@@ -665,8 +746,10 @@ def msgpack_loads(data: bytes, where: str, budget: ReadBudget | None = None) -> 
         return items
 
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=hook, list_hook=list_hook,
-                               use_list=True, max_array_len=cap, max_map_len=cap)
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=hook, list_hook=list_hook,
+                                use_list=True, max_array_len=cap, max_map_len=cap)
+        check_value_size(value, where)
+        return value
     except UnsafeCheckpointError:
         raise
     except (ValueError, TypeError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,

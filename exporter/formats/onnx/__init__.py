@@ -8,11 +8,12 @@ from policy_export.exporter.formats.base import Capabilities, Format
 
 
 class OnnxFile:
-    """What every format of the ONNX family shares: its model file is checked by onnx's checker and
-    the declared-size check before anything parses it."""
+    """What every format of the ONNX family shares: its model file passes the ONNX door
+    (:func:`.trust.check_file`: no link, external data beside it, declared sizes, node budget,
+    onnx's checker) before anything parses it."""
 
     def check_model(self, path: Path) -> None:
-        from policy_export.exporter.formats.onnx.model import check_file
+        from policy_export.exporter.formats.onnx.trust import check_file
 
         check_file(Path(path))
 

@@ -30,10 +30,11 @@ from policy_export.exporter.formats.coverage import check_onnx_runtime
 from policy_export.exporter.defaults import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.formats.onnx.convert import names_read, onnx_models
+from policy_export.exporter.formats.onnx.trust import check_file, read_model
 from policy_export.exporter.protowire import header
 from policy_export.exporter.formats.runner import Runner, TensorMeta
 from policy_export.policy import jsonio
-from policy_export.errors import ConversionError, DeclaredSizeError, ExportError  # noqa: F401 (DeclaredSizeError: raised here)
+from policy_export.errors import ConversionError, ExportError
 from policy_export.signatures.contract import Contract
 
 log = logging.getLogger(__name__)
@@ -306,278 +307,6 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     return None
 
 
-def check_file(path: Path, inspect=None):
-    """Check a model file before any runtime loads it: its external data locations
-    (:func:`check_external_data`), then ``onnx.checker``. ``inspect`` (a function of the parsed
-    model, without its external data) runs in between and its result is returned; the parsed
-    model is let go before the checker reads the file again.
-
-    Raises:
-        ExportError: the file is missing or is not a valid ONNX model.
-        DeclaredSizeError: a tensor's declared size disagrees with its data or exceeds the file's
-            budget (:func:`check_declared_sizes`).
-    """
-    if not Path(path).is_file():
-        raise ExportError(f"{path} does not exist")
-    model = check_external_data(Path(path))
-    check_declared_sizes(model, Path(path))
-    result = inspect(model) if inspect is not None else None
-    del model
-    try:
-        onnx.checker.check_model(str(path))
-    except Exception as e:  # DecodeError, ValidationError, OSError...
-        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
-    return result
-
-
-DECLARED_ALLOWANCE = 16 << 20  # bytes beyond the files' own sizes that declared tensors may take
-_PACKED_4BIT = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
-_SHAPED_NODES = {"ConstantOfShape": 0, "Expand": 1}  # op -> input holding the output's shape
-
-
-def _element_bytes(data_type: int) -> float:
-    if data_type in _PACKED_4BIT:
-        return 0.5
-    if data_type == onnx.TensorProto.STRING:
-        return 0.0  # strings are counted by the bytes they hold
-    try:
-        return float(np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
-    except Exception as e:  # KeyError/TypeError/ValueError: a data type onnx does not know
-        raise DeclaredSizeError(f"unknown tensor data type {data_type}") from e
-
-
-def _elements(dims) -> int:
-    count = 1
-    for d in dims:
-        if d < 0:
-            raise DeclaredSizeError(f"negative dimension {d}")
-        count *= int(d)
-    return count
-
-
-def _tensor_bytes(tensor: "onnx.TensorProto", where: str, data_sizes: Mapping[str, int]) -> int:
-    """The bytes ``tensor`` declares (dims x element size), checked against the data it holds."""
-    try:
-        count = _elements(tensor.dims)
-        size = _element_bytes(tensor.data_type)
-    except DeclaredSizeError as e:
-        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r}: {e}") from None
-    declared = int(np.ceil(count * size))
-    held, what = None, ""
-    if tensor.data_type == onnx.TensorProto.STRING:
-        if len(tensor.string_data) != count:
-            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {count} strings (dims "
-                                    f"{list(tensor.dims)}) but holds {len(tensor.string_data)}")
-        return sum(len(v) for v in tensor.string_data)
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        info = {e.key: e.value for e in tensor.external_data}
-        try:
-            offset, length = int(info.get("offset", 0)), info.get("length")
-            length = None if length is None else int(length)
-        except ValueError:
-            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} has a malformed external data "
-                                    "offset or length") from None
-        available = data_sizes.get(info.get("location", ""), 0) - offset
-        held, what = (available if length is None else length), "bytes of external data"
-        if length is not None and length > available:
-            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} reads {length} bytes at offset {offset}, "
-                                    f"beyond the end of {info.get('location')!r}")
-        mismatch = held < declared if length is None else held != declared  # without a length: the rest of the file
-        if mismatch:
-            raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
-                                    f"{list(tensor.dims)}) but has {held} {what}")
-        return declared
-    if tensor.HasField("raw_data"):
-        held, what = len(tensor.raw_data), "bytes of raw data"
-        expected = declared
-    else:
-        fields = [f for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
-                  if len(getattr(tensor, f))]
-        held = sum(len(getattr(tensor, f)) for f in fields)
-        what = f"values in {'/'.join(fields) or 'no data field'}"
-        expected = count
-        if tensor.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
-            expected = 2 * count
-        elif tensor.data_type in _PACKED_4BIT:
-            expected = (count + 1) // 2
-    if held != expected:
-        raise DeclaredSizeError(f"{where}: tensor {tensor.name!r} declares {declared} bytes (dims "
-                                f"{list(tensor.dims)}) but holds {held} {what}")
-    return declared
-
-
-def _walk_graph(graph: "onnx.GraphProto", where: str, visit_tensor, visit_sparse, visit_node) -> None:
-    for tensor in graph.initializer:
-        visit_tensor(tensor, f"{where} initializer")
-    for sparse in graph.sparse_initializer:
-        visit_sparse(sparse, f"{where} sparse initializer")
-    _walk_nodes(graph.node, where, visit_tensor, visit_sparse, visit_node)
-
-
-def _walk_nodes(nodes, where: str, visit_tensor, visit_sparse, visit_node) -> None:
-    A = onnx.AttributeProto
-    for node in nodes:
-        at = f"{where} node {node.name or node.op_type!r}"
-        visit_node(node, at)
-        for attr in node.attribute:
-            label = f"{at} attribute {attr.name!r}"
-            if attr.type == A.TENSOR or attr.HasField("t"):
-                visit_tensor(attr.t, label)
-            for t in attr.tensors:
-                visit_tensor(t, label)
-            if attr.type == A.SPARSE_TENSOR or attr.HasField("sparse_tensor"):
-                visit_sparse(attr.sparse_tensor, label)
-            for t in attr.sparse_tensors:
-                visit_sparse(t, label)
-            if attr.type == A.GRAPH or attr.HasField("g"):
-                _walk_graph(attr.g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
-            for g in attr.graphs:
-                _walk_graph(g, f"{label} subgraph", visit_tensor, visit_sparse, visit_node)
-
-
-def check_declared_sizes(model: "onnx.ModelProto", path: Path, allowance: int = DECLARED_ALLOWANCE) -> int:
-    """Check the sizes every tensor of ``model`` declares, before any runtime materialises them;
-    returns the bytes they declare together.
-
-    Every initializer, sparse initializer and tensor attribute (``Constant`` values and the like)
-    of the main graph, of every subgraph (``Loop``/``If``/``Scan`` bodies) and of every function is
-    counted at its declared size, dims x element size (a sparse tensor at its dense size, as a
-    runtime expands it). Each tensor's data must match its dims, and the total may not exceed the
-    model file's size plus its external data files' sizes plus ``allowance`` bytes. The shape a
-    ``ConstantOfShape`` or ``Expand`` node is given as a constant is held to the same budget.
-    ``model`` is parsed without its external data (their files' sizes are read, not their bytes).
-
-    Raises:
-        DeclaredSizeError: naming the tensor (or node), its declared size and the budget.
-    """
-    budget = _SizeBudget(model, path, allowance)
-    _walk_graph(model.graph, "main graph", budget.visit_tensor, budget.visit_sparse, budget.visit_node)
-    for function in model.functions:
-        _walk_nodes(function.node, f"function {function.name!r}", budget.visit_tensor, budget.visit_sparse,
-                    budget.visit_node)
-    budget.check_shaped()
-    return budget.total
-
-
-class _SizeBudget:
-    """What :func:`check_declared_sizes` counts as it walks a model: the total declared, the small
-    int64 constants that may be shapes, and the nodes whose output size such a shape sets."""
-
-    def __init__(self, model, path: Path, allowance: int):
-        self.path, self.allowance = path, allowance
-        self.data_sizes: dict[str, int] = {}
-        for tensor in _all_tensor_protos(model):
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-                if location and location not in self.data_sizes:
-                    self.data_sizes[location] = (path.parent / location).stat().st_size
-        self.budget = path.stat().st_size + allowance + sum(self.data_sizes.values())
-        self.total = 0
-        self.constants: dict[str, "onnx.TensorProto"] = {}
-        self.shaped: list[tuple[Any, str]] = []
-
-    def refuse(self, name: str, where: str, size: int, what: str) -> None:
-        raise DeclaredSizeError(f"{self.path}: {where}: {what} {name!r} declares {size} bytes, beyond the "
-                                f"{self.budget} bytes this model's files can account for (their size plus "
-                                f"{self.allowance >> 20} MiB); refusing to load it")
-
-    def visit_tensor(self, tensor, where: str) -> None:
-        try:
-            size = _tensor_bytes(tensor, where, self.data_sizes)
-        except DeclaredSizeError as e:
-            raise DeclaredSizeError(f"{self.path}: {e}; refusing to load it") from None
-        self.total += size
-        if self.total > self.budget:
-            self.refuse(tensor.name, where, size, "tensor")
-        if tensor.name and len(tensor.dims) <= 1 and tensor.data_type == onnx.TensorProto.INT64 and size <= 1024:
-            self.constants[tensor.name] = tensor
-
-    def visit_sparse(self, sparse, where: str) -> None:
-        self.visit_tensor(sparse.values, f"{where} values")
-        self.visit_tensor(sparse.indices, f"{where} indices")
-        try:
-            dense = int(np.ceil(_elements(sparse.dims) * _element_bytes(sparse.values.data_type)))
-        except DeclaredSizeError as e:
-            raise DeclaredSizeError(f"{self.path}: {where}: sparse tensor {sparse.values.name!r}: {e}") from None
-        self.total += dense
-        if self.total > self.budget:
-            self.refuse(sparse.values.name, where, dense, "sparse tensor")
-
-    def visit_node(self, node, where: str) -> None:
-        if node.op_type == "Constant" and node.output:  # small int64 constants may be shapes
-            for attr in node.attribute:
-                value = None
-                if attr.name == "value" and attr.t.data_type == onnx.TensorProto.INT64 and attr.t.ByteSize() <= 1024:
-                    value = numpy_helper.to_array(attr.t)
-                elif attr.name == "value_ints" and len(attr.ints) <= 64:
-                    value = np.asarray(attr.ints, np.int64)
-                if value is not None:
-                    self.constants.setdefault(node.output[0], numpy_helper.from_array(value, node.output[0]))
-        if node.op_type in _SHAPED_NODES and node.domain in ("", "ai.onnx"):
-            self.shaped.append((node, where))
-
-    def check_shaped(self) -> None:
-        """``ConstantOfShape``/``Expand`` outputs of constant shapes, held to the budget."""
-        for node, where in self.shaped:
-            index = _SHAPED_NODES[node.op_type]
-            shape = self.constants.get(node.input[index]) if len(node.input) > index else None
-            if shape is None:
-                continue
-            dims = [int(d) for d in numpy_helper.to_array(shape).reshape(-1)]
-            element = 4.0
-            if node.op_type == "ConstantOfShape":
-                value = next((a.t for a in node.attribute if a.name == "value"), None)
-                element = _element_bytes(value.data_type) if value is not None else 4.0
-            elif node.input[0] in self.constants:
-                element = _element_bytes(self.constants[node.input[0]].data_type)
-            size = int(np.ceil(_elements(max(d, 0) for d in dims) * element))
-            if size > self.budget:
-                self.refuse(node.output[0] if node.output else node.op_type, where, size, f"{node.op_type} output")
-
-
-def _all_tensor_protos(model: "onnx.ModelProto"):
-    """Every TensorProto of ``model`` (initializers, sparse tensors' parts, attributes, subgraphs, functions)."""
-    found = []
-
-    def tensor(t, _where):
-        found.append(t)
-
-    def sparse(s, _where):
-        found.extend((s.values, s.indices))
-
-    _walk_graph(model.graph, "", tensor, sparse, lambda n, w: None)
-    for function in model.functions:
-        _walk_nodes(function.node, "", tensor, sparse, lambda n, w: None)
-    return found
-
-
-def check_external_data(path: Path):
-    """Every external data file the model names must be a plain file name beside it (no path
-    separators, no ``..``) that exists as a regular file; checked before anything reads it.
-
-    Raises:
-        ExportError: the model cannot be parsed, or names external data elsewhere or missing.
-    """
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
-
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # DecodeError and friends
-        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
-    for tensor in _get_all_tensors(model):
-        if not uses_external_data(tensor):
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        if not location or location != Path(location).name or location in (".", ".."):
-            raise ExportError(f"{path}: tensor {tensor.name!r} keeps its data at {location!r}, not in a file "
-                              "beside the model; refusing to read it")
-        data = path.parent / location
-        if data.is_symlink() or not data.is_file():
-            raise ExportError(f"{path}: external data file {location} of tensor {tensor.name!r} is missing "
-                              "or not a regular file")
-    return model
-
-
 def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
                       optimization: str = "all", provider_options: list[dict[str, str]] | None = None,
                       prepack: bool = True):
@@ -729,15 +458,12 @@ class OnnxDefaultsRunner(OnnxRunner):
 def onnx_contract(path: Path) -> Contract:
     """The contract in an ONNX model's metadata, else one read from its graph.
 
-    The model is checked with ``onnx.checker`` first; a file that is not ONNX is an error.
+    The model passes :func:`.trust.check_file` first; a file that is not ONNX is an error.
     """
     from policy_export.signatures.contract import TensorSpec, json_default
 
-    try:
-        onnx.checker.check_model(str(path))
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # onnx raises DecodeError, ValidationError, OSError...
-        raise ExportError(f"{path} is not a valid ONNX model: {e}") from e
+    check_file(Path(path))
+    model = read_model(Path(path))
     try:
         stored = contract_from_model(model)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:

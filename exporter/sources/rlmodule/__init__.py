@@ -8,6 +8,7 @@ computes actions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from policy_export.errors import ExportError, InputError, UnsafeCheckpointError
 from policy_export.exporter.sources.base import (
     CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Option, Source, check_values,
 )
+from policy_export.exporter.sources.safe_pickle import short_repr
 
 FILTER_AGENT = Option("filter_agent", "the agent whose MeanStdFilter statistics go in front of the module, where "
                       "the filter keeps them per agent (a multi-agent filter: which agent maps to which module is "
@@ -138,13 +140,16 @@ def export_space(checkpoint: Any, spec: Any, use_filter: bool) -> Any:
 
 
 def _plain(value: Any) -> Any:
+    """A stored config as JSON values: containers kept, bounded (the reader held the whole value
+    to the pickled-value size), anything else by a short description."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {k if isinstance(k, str) else short_repr(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    if isinstance(value, (bool, int, float, str)) or value is None:
+    if isinstance(value, (bool, str)) or value is None or (isinstance(value, float) and math.isfinite(value)) \
+            or (isinstance(value, int) and abs(value) < 1 << 63):
         return value
-    return str(value)[:80]
+    return short_repr(value)
 
 
 SOURCE = ModuleCheckpointSource()

@@ -29,7 +29,9 @@ from policy_export.errors import ExportError, WeightsError
 from policy_export.exporter.sources.checkpoint import FilterState
 from policy_export.exporter.sources.checkpoint_policy import _observations, environment_actions, filtered
 from policy_export.exporter.sources.rlmodule.reader import DEFAULT_MODEL_CONFIG, ModuleCheckpoint, ModuleSpec
+from policy_export.exporter.sources.safe_pickle import short_repr
 from policy_export.policy.distributions import ActionDistribution, OneLeaf, SquashedGaussian
+from policy_export.policy.exact import exact_cast
 from policy_export.policy.head import action_head
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.keys import (
@@ -70,8 +72,12 @@ class TorchWeights:
         if tuple(value.shape) != tuple(shape):
             raise WeightsError(self.where, [f"weight {name} has shape {list(value.shape)}, the config gives "
                                             f"{list(shape)}"])
+        exact, problem = exact_cast(value, np.float32) if value.dtype.kind == "f" else (None, f"is {value.dtype}, not a "
+                                                                                             "float array")
+        if problem is not None:
+            raise WeightsError(self.where, [f"weight {name} {problem}"])
         self.used.append(name)
-        return value.astype(np.float32)
+        return exact
 
     def prefixes(self, *candidates: str) -> list[str]:
         return [p for p in candidates if any(k.startswith(p + ".") for k in self.weights)]
@@ -91,7 +97,7 @@ class ModuleConfig:
         value = self.values[key]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
                                                           and 0 < v <= 1 << 16 for v in value):
-            raise ExportError(f"{self.where}: {key} {str(value)[:80]} is not a list of layer sizes")
+            raise ExportError(f"{self.where}: {key} {short_repr(value)} is not a list of layer sizes")
         return [int(v) for v in value]
 
     def activation(self, key: str):
@@ -100,20 +106,20 @@ class ModuleConfig:
             return TORCH_ACTIVATIONS[name]
         if isinstance(name, str) and name.lower() in ("linear",):
             return None
-        raise ExportError(f"{self.where}: {key} {str(name)[:40]!r} is not an activation rebuilt here "
+        raise ExportError(f"{self.where}: {key} {short_repr(name, 40)} is not an activation rebuilt here "
                           f"({', '.join(k for k in TORCH_ACTIVATIONS if k)})")
 
     def flag(self, key: str) -> bool:
         value = self.values[key]
         if not isinstance(value, (bool, np.bool_)):
-            raise ExportError(f"{self.where}: {key} {str(value)[:40]} is not true or false")
+            raise ExportError(f"{self.where}: {key} {short_repr(value, 40)} is not true or false")
         return bool(value)
 
     def number(self, key: str) -> float:
         value = self.values[key]
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value):
-            raise ExportError(f"{self.where}: {key} {str(value)[:40]} is not a finite number")
+            raise ExportError(f"{self.where}: {key} {short_repr(value, 40)} is not a finite number")
         return float(value)
 
 

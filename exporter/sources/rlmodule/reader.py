@@ -50,6 +50,7 @@ JSON_LIMIT = 1 << 20
 STATE_LIMIT = 1 << 30  # bytes of one weights file
 ARGS_LIMIT = 64 << 20  # bytes of one class_and_ctor_args.pkl
 MAX_MODULES = 4096
+AGENT_ID_CHARS = 128  # an agent id that names a filter's statistics
 MODULE_ID = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.\-]{1,128}")
 CHECKPOINT_VERSIONS = ("2.0", "2.1")  # ray 2.40 writes 2.0, ray 2.60 2.1
 MODULE_ROOT = ("learner_group", "learner", "rl_module")
@@ -81,6 +82,56 @@ DEFAULT_MODEL_CONFIG = {
     "max_seq_len": 20, "lstm_cell_size": 256, "lstm_use_prev_action": False, "lstm_use_prev_reward": False,
     "dueling": True, "double_q": True, "num_atoms": 1, "v_min": -10.0, "v_max": 10.0, "noisy": False,
 }
+# what each of those keys must hold, checked when the module is read (a file's value of another
+# type is refused there, naming the key, before anything formats or uses it): layer sizes, an
+# activation's name, a switch, a whole number in a range, a finite number
+SIZE_LIMIT, LAYERS_LIMIT = 1 << 16, 64  # units of one layer; layers of one MLP
+MODEL_CONFIG_KINDS = {
+    "fcnet_hiddens": "sizes", "head_fcnet_hiddens": "sizes", "fcnet_activation": "name",
+    "head_fcnet_activation": "name", "fcnet_use_layernorm": "flag", "head_fcnet_use_layernorm": "flag",
+    "free_log_std": "flag", "vf_share_layers": "flag", "use_lstm": "flag", "lstm_use_prev_action": "flag",
+    "lstm_use_prev_reward": "flag", "dueling": "flag", "double_q": "flag", "noisy": "flag",
+    "max_seq_len": (1, 1 << 20), "lstm_cell_size": (1, SIZE_LIMIT), "num_atoms": (1, 4096),
+    "log_std_clip_param": "number", "v_min": "number", "v_max": "number",
+}
+
+
+def check_model_config(config: dict[str, Any], where: str) -> None:
+    """Refuse a ``model_config`` value of a key this package reads (:data:`MODEL_CONFIG_KINDS`)
+    that is not of its kind; other keys are not read (they are shown by ``inspect``, within the
+    size every pickled value is held to).
+
+    Raises:
+        UnsafeCheckpointError: naming the key and what it must be.
+    """
+    for key, kind in MODEL_CONFIG_KINDS.items():
+        if key not in config:
+            continue
+        value = config[key]
+        integer = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if kind == "sizes":
+            ok = isinstance(value, (list, tuple)) and len(value) <= LAYERS_LIMIT and all(
+                isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and 0 < v <= SIZE_LIMIT
+                for v in value)
+            what = f"a list of at most {LAYERS_LIMIT} layer sizes (whole numbers from 1 to {SIZE_LIMIT})"
+        elif kind == "name":
+            ok = value is None or (isinstance(value, str) and 0 < len(value) <= 64)
+            what = "an activation's name"
+        elif kind == "flag":
+            ok = isinstance(value, (bool, np.bool_))
+            what = "true or false"
+        elif kind == "number":
+            ok = (integer and abs(int(value)) < 1 << 53) or (isinstance(value, (float, np.floating))
+                                                              and np.isfinite(value))
+            what = "a finite number"
+        else:
+            low, high = kind
+            ok = integer and low <= value <= high
+            what = f"a whole number from {low} to {high}"
+        if not ok:
+            raise UnsafeCheckpointError(f"{where}: model_config {key} is {short_repr(value, 40)}, not {what}")
+
+
 # env-to-module connectors that leave the observation as it is (batching, time axis, state,
 # tensors, agent-to-module routing), and the one that changes it and is rebuilt in the graph
 _COMMON = "ray.rllib.connectors.common."
@@ -208,20 +259,30 @@ class ModuleCheckpoint:
         if list(self.filters) == [None]:
             return self.filters[None]
         if agent is not None:
-            found = [f for a, f in self.filters.items() if str(a) == agent]
+            found = [a for a in self.filters if str(a) == agent]
             if not found:
                 raise ExportError(f"{self.path}: the MeanStdFilter holds no agent {agent!r}; its agents: "
-                                  f"{', '.join(map(str, self.filters))}")
-            return found[0]
+                                  f"{_agents(self.filters)}")
+            if len(found) > 1:
+                raise ExportError(f"{self.path}: --filter-agent {agent} is ambiguous: the MeanStdFilter holds agents "
+                                  f"{' and '.join(repr(a) for a in found)} (a name and a number); which agent "
+                                  "maps to the module is code in the checkpoint, which is not run")
+            return self.filters[found[0]]
         states = list(self.filters.values())
         first = states[0]
         if all(s.n == first.n and np.array_equal(s.mean, first.mean) and np.array_equal(s.m2, first.m2)
                for s in states[1:]):
             return first
         raise ExportError(f"{self.path}: the MeanStdFilter keeps statistics per agent "
-                          f"({', '.join(map(str, self.filters))}), and which agent maps to module {module_id!r} "
+                          f"({_agents(self.filters)}), and which agent maps to module {module_id!r} "
                           "is code in the checkpoint, which is not run; name the agent whose statistics to use with --filter-agent "
                           "ID, or export with --no-filter (the export then takes filtered observations)")
+
+
+def _agents(filters: dict[Any, Any], shown: int = 8) -> str:
+    """The agent ids of a filter, as they are written (a name quoted, a number bare), the first few."""
+    ids = [repr(a) if isinstance(a, str) else str(a) for a in list(filters)[:shown]]
+    return ", ".join(ids) + (f" and {len(filters) - shown} more" if len(filters) > shown else "")
 
 
 # ----------------------------------------------------------------------------- detection
@@ -399,6 +460,7 @@ def _module(root: Path, parts: tuple[str, ...], module_id: str, meta: dict[str, 
         config = config.fields()
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
         raise UnsafeCheckpointError(f"{where}: model_config {short_repr(config)} is not a dict of settings")
+    check_model_config(config, where)
     catalog = kwargs.get("catalog_class")
     catalog_ref = catalog.ref if isinstance(catalog, type) and issubclass(catalog, Record) else None
     if catalog is not None and catalog_ref is None:
@@ -564,8 +626,10 @@ def _mean_std_filter(root: Path, kwargs: dict[str, Any]) -> dict[Any, FilterStat
         raise UnsafeCheckpointError(f"{where} does not hold the filter's statistics per agent")
     filters = {}
     for agent, params in state.items():
-        if agent is not None and not isinstance(agent, (str, int)):
-            raise UnsafeCheckpointError(f"{where}: agent id {short_repr(agent)} is not a name or a number")
+        if not (agent is None or (isinstance(agent, str) and len(agent) <= AGENT_ID_CHARS)
+                or (isinstance(agent, int) and not isinstance(agent, bool) and abs(agent) < 1 << 63)):
+            raise UnsafeCheckpointError(f"{where}: agent id {short_repr(agent, 40)} is not a name (at most "
+                                        f"{AGENT_ID_CHARS} characters) or a 64-bit number")
         if not isinstance(params, dict):
             raise UnsafeCheckpointError(f"{where}: the statistics of agent {short_repr(agent)} are not readable")
         stats = params.get("running_stats")
