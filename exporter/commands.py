@@ -263,7 +263,10 @@ def cmd_verify(args, console) -> int:
     from policy_export.exporter.reports import print_verdict
     from policy_export.exporter.verify import verify_export
 
-    result = verify_export(args.out, replace(opts, device=_device_plan(args)), manifest_doc=doc)
+    from policy_export.exporter.signing import inside_export
+
+    inside = inside_export(args.out, signature["signature"]) if signature else None  # OUT/model.sig: not extra
+    result = verify_export(args.out, replace(opts, device=_device_plan(args)), manifest_doc=doc, signature_inside=inside)
     args.progress.close()
     signed = _check_signature(args, console, signature, result.file_problems)
     _emit_reports(args, result.parity, "verify", result.file_problems,
@@ -621,7 +624,7 @@ def cmd_example(args, console) -> int:
 
 def _sign_request(args):
     """``export --sign-key``: the signing request checked before any work (the extra, the key, a
-    signature path outside the export); ``None`` when no signing was asked for."""
+    signature path beside the export or at its top); ``None`` when no signing was asked for."""
     if not (getattr(args, "sign_key", None) or getattr(args, "sign_keyless", False)):
         for flag in ("signing_certificate", "certificate_chain", "signature_file", "sign_key_password_env"):
             if getattr(args, flag, None):
@@ -729,16 +732,16 @@ def _check_signature(args, console, request, problems: list) -> dict:
 def cmd_sign(args, console) -> int:
     """``sign OUT --sign-key KEY``: verify the export (files and parity plan), then sign it."""
     from policy_export.exporter.manifest import read_manifest
-    from policy_export.exporter.signing import check_sign_inputs, sign_export
+    from policy_export.exporter.signing import check_sign_inputs, inside_export, sign_export
 
-    check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
-                      certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    path = check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+                             certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
     password = _sign_password(args)
     read_manifest(Path(args.out))  # not an export: refused before TensorFlow loads
     _heavy_imports(args)
     from policy_export.exporter.verify import verify_export
 
-    result = verify_export(args.out)
+    result = verify_export(args.out, signature_inside=inside_export(args.out, path))  # re-signed in place
     if not result.passed:
         for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
                         + [r.describe() for r in result.parity.failures()]):

@@ -199,7 +199,7 @@ def _observations(value: Any, option: Option) -> Any:
 OBSERVATIONS = Option("observations", "recorded observations to check every format on, besides the space's "
                       "samples: .npy, .npz (arrays named as the policy's inputs), RLlib's offline .json or .parquet; "
                       "repeatable; up to --samples rows are kept (a fixed sub-sample of larger files)", None,
-                      kind="list", metavar="FILE", rule=_observations, league=True, api_type=list)
+                      kind="list", metavar="FILE", rule=_observations, league=True, api_type=list, path=True)
 TOLERANCES = Option("tolerances", "a Tolerances (the command line makes it from --atol, --rtol, --tolerance and "
                     "--allow-non-finite)", rule=_tolerances, cli=False)
 ATOL = Option("atol", f"default absolute tolerance ({D.DEFAULT_ATOL:g})", type=float, metavar="X")
@@ -227,7 +227,8 @@ VERBOSE = Option("verbose", "print the full parity table (a row per format and o
 
 # signed exports (the signing extra, exporter.signing): the signature goes beside the export, OUT.sig by default
 # --signature-file: --signature is the SavedModel signature key of export's and inspect's sources
-SIGNATURE = Option("signature_file", "the export's signature (default OUT.sig, beside the export; never inside it)",
+SIGNATURE = Option("signature_file", "the export's signature (default OUT.sig beside the export, else OUT/model.sig; "
+                   "inside the export only a .sig file at its top, as model_signing keeps it)",
                    metavar="PATH")
 CERTIFICATE_CHAIN = Option("certificate_chain", "certificate chain (PEM) of a certificate signature; repeatable",
                            (), kind="list", metavar="PEM")
@@ -278,7 +279,8 @@ VERIFY = (
            rule=_counted(0, MAX_SAMPLES)),
     Option("observations", "recorded observations to check every format on against the SavedModel (besides the "
            "rows the export stored): .npy, .npz, RLlib's offline .json or .parquet; repeatable; up to 1000 rows "
-           "kept per run (a fixed sub-sample of larger files)", None, kind="list", metavar="FILE", rule=_observations),
+           "kept per run (a fixed sub-sample of larger files)", None, kind="list", metavar="FILE", rule=_observations,
+           path=True),
     Option("batch_size", "rows per runtime call during parity", D.DEFAULT_BATCH, type=int, rule=_counted(1),
            cli=False),
     TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE, *SIGNATURE_CHECK)

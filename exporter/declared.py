@@ -23,6 +23,8 @@ class Option:
     ``--no-filter``), ``"list"`` (repeatable, values made by ``type``) or
     ``"choice"`` (one of ``choices``). ``rule`` checks a value (the command line's or the Python
     API's) and returns it, perhaps converted; it raises :class:`InputError` naming the option.
+    ``path`` says the value names a file (each item of a list does): a league file's entry gives it
+    relative to the league file, as it gives its source.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Option:
     cli: bool = True  # False: a keyword of the Python API (and league files) only
     league: bool = False  # a league file's entry may set it (the core's options; every source's and format's may)
     api_type: type | tuple[type, ...] | None = None  # the API's type where it is not the command line's
+    path: bool = False  # a file's path (each item's, for a list): a league file names it relative to itself
 
     @property
     def python_type(self) -> type | tuple[type, ...]:

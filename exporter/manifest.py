@@ -130,8 +130,13 @@ class FileCheck:
         return not any(p == rel or p.startswith(rel + "/") or rel.startswith(p + "/") for p in self.untrusted)
 
 
-def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, str]) -> FileCheck:
+def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, str],
+                signature_inside: str | None = None) -> FileCheck:
     """Changed, missing, extra and special files of an export, each named.
+
+    ``signature_inside``: the name of the signature file being checked with the export when it
+    lies at the export's top (``model.sig``): the one file the manifest does not list that is not
+    an extra file (see :mod:`exporter.signing`).
 
     Only regular files inside ``root`` are read; a symbolic link, FIFO or device in place of a
     file is a changed file and is never opened. A manifest without formats, or with files that no
@@ -152,7 +157,7 @@ def check_files(root: Path, manifest: dict[str, Any], format_paths: dict[str, st
     for path in sorted(listed.keys() - found.files.keys() - found.special.keys()):
         problems.append(f"missing file {path}")
         untrusted.add(path)
-    for path in sorted(found.files.keys() - listed.keys()):
+    for path in sorted(found.files.keys() - listed.keys() - {signature_inside}):
         problems.append(f"extra file {path} (not in the manifest)")
         untrusted.add(path)
     for path in sorted(listed.keys() & found.files.keys()):

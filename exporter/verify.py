@@ -52,12 +52,14 @@ class VerifyResult:
 
 
 def verify_export(out: str | Path, options: VerifyOptions | None = None, *, manifest_doc: Mapping[str, Any] | None = None,
-                  **keywords: Any) -> VerifyResult:
+                  signature_inside: str | None = None, **keywords: Any) -> VerifyResult:
     """Check an export: file hashes, then replay its stored parity plan on every format fresh from disk.
 
     The options are a :class:`~exporter.options.VerifyOptions` or its fields as keywords;
     ``manifest_doc`` is the export's manifest already read with :func:`exporter.manifest.read_manifest`
-    (it is not read again).
+    (it is not read again). ``signature_inside``: the name of the signature being checked with
+    the export when it lies at its top (``model.sig``, :func:`exporter.signing.inside_export`),
+    the one file the manifest does not list that is not an extra file.
 
     The plan (see :mod:`exporter.parity.plan`) is the golden inputs and outputs, the session's
     exploration draws and, for recurrent policies, the stepped sequences with the session's
@@ -87,14 +89,15 @@ def verify_export(out: str | Path, options: VerifyOptions | None = None, *, mani
     """
     opts = VerifyOptions.make(options, keywords)
     with run_limit(opts.run_timeout):
-        return _Verify(Path(out), opts, manifest_doc).run()
+        return _Verify(Path(out), opts, manifest_doc, signature_inside).run()
 
 
 class _Verify:
     """One run of :func:`verify_export`: the export's manifest (read once), its file check, and the report."""
 
-    def __init__(self, out: Path, opts: VerifyOptions, doc: Mapping[str, Any] | None = None):
-        self.out, self.opts = out, opts
+    def __init__(self, out: Path, opts: VerifyOptions, doc: Mapping[str, Any] | None = None,
+                 signature_inside: str | None = None):
+        self.out, self.opts, self.signature_inside = out, opts, signature_inside
         self.progress = opts.progress or SILENT
         self.doc = manifest.read_manifest(out) if doc is None else doc
         self.candidates = _check_candidates(opts.candidates, self.doc)
@@ -114,7 +117,7 @@ class _Verify:
     def run(self) -> VerifyResult:
         start = time.perf_counter()
         with self.progress.stage("check files"):
-            check = manifest.check_files(self.out, self.doc, registry.paths())
+            check = manifest.check_files(self.out, self.doc, registry.paths(), self.signature_inside)
         self.report.seconds["files"] = time.perf_counter() - start  # the sha256 check, for the reports
         problems = list(check.problems)
         pin = self.opts.expect_manifest_sha256

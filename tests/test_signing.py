@@ -1,6 +1,8 @@
 """Signed exports (the signing extra): OpenSSF Model Signing over a whole export, the signature
-beside it. Round trips with the ``model_signing`` command line both ways, a certificate signature,
-and every kind of tampering after signing refused by name (exit 1)."""
+beside it or at its top (``OUT/model.sig``, where model_signing keeps it). Round trips with the
+``model_signing`` command line both ways and in both places, a certificate signature, and every
+kind of tampering after signing refused by name (exit 1); beside a signature inside the export,
+any other file not in the manifest still fails, named."""
 
 from __future__ import annotations
 
@@ -225,8 +227,12 @@ def test_a_certificate_signature_round_trips_and_names_its_subject(signed, tmp_p
 def test_bad_signing_requests_are_refused_before_any_work(signed, tmp_path):
     root, keys = signed
     done = cli("sign", str(root / "exp"), "--sign-key", str(keys["a"][0]), "--signature-file",
-               str(root / "exp" / "inside.sig"))
-    assert done.returncode == 2 and "is inside the export" in done.stderr
+               str(root / "exp" / "parity" / "inside.sig"))
+    assert done.returncode == 2 and "is inside the export" in done.stderr and "below its top" in done.stderr
+    done = cli("sign", str(root / "exp"), "--sign-key", str(keys["a"][0]), "--signature-file",
+               str(root / "exp" / "model.onnx"))
+    assert done.returncode == 2 and "does not end in .sig" in done.stderr
+    assert not (root / "exp" / "parity" / "inside.sig").exists()
     done = cli("sign", str(root / "exp"))
     assert done.returncode == 2 and "--sign-key KEY" in done.stderr
     done = cli("verify", str(root / "exp"), "--public-key", str(keys["a"][1]), "--signature-file",
@@ -285,3 +291,120 @@ def test_export_reports_name_the_signer_and_an_encrypted_key_takes_its_password_
     done = cli("export", str(SPEC), "--out", str(tmp_path / "exp2"), *EXPORT_FLAGS, "--sign-key", str(private),
                "--sign-key-password-env", "EXPORT_KEY_PASSWORD", env_extra={"EXPORT_KEY_PASSWORD": "not-it"})
     assert done.returncode == 2 and "wrong password" in done.stderr and not (tmp_path / "exp2").exists()
+
+
+# ------------------------------------------------------------------- the signature inside the export
+
+
+def _serialization(sig: Path) -> dict:
+    """The serialization the signature records: model-signing's method, and the paths it left out."""
+    import base64
+
+    payload = json.loads(sig.read_text())["dsseEnvelope"]["payload"]
+    return json.loads(base64.b64decode(payload))["predicate"]["serialization"]
+
+
+@pytest.mark.parametrize("place", ["beside", "inside"])
+@pytest.mark.parametrize("signer", ["policy-export", "model_signing"])
+def test_a_signature_beside_or_inside_the_export_round_trips_with_the_model_signing_command_line(
+        signed, tmp_path, signer, place):
+    """Signed by either tool, beside the export (``exp.sig``) or at its top (``exp/model.sig``, as
+    model_signing keeps it), checked by both. Inside, the signature leaves itself out, as
+    model_signing's command line does (its ``ignore_paths``), and ``verify`` finds it there when
+    no ``--signature-file`` is given and there is no ``exp.sig``."""
+    out = _copy(signed, tmp_path)
+    _, keys = signed
+    (tmp_path / "exp.sig").unlink()
+    sig = tmp_path / "exp.sig" if place == "beside" else out / "model.sig"
+    if signer == "policy-export":
+        done = cli("sign", str(out), "--sign-key", str(keys["b"][0]), "--signature-file", str(sig))
+    else:
+        done = _model_signing("sign", "key", str(out), "--private_key", str(keys["b"][0]), "--signature", str(sig))
+    assert done.returncode == 0, done.stdout + done.stderr
+    ignored = _serialization(sig).get("ignore_paths", [])  # model_signing's also names git's files
+    assert ("model.sig" in ignored) == (place == "inside") and "manifest.json" not in ignored
+    done = _model_signing("verify", "key", str(out), "--signature", str(sig), "--public_key", str(keys["b"][1]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    named = ("--signature-file", str(sig)) if signer == "model_signing" else ()  # by name, and found
+    report = tmp_path / "verify.json"
+    done = cli("verify", str(out), "--public-key", str(keys["b"][1]), *named, "--report-json", str(report))
+    assert done.returncode == 0, done.stdout + done.stderr
+    entry = json.loads(report.read_text())["signature"]
+    assert entry["passed"] and entry["path"] == str(sig) and entry["files"] == 5
+    assert notes(done.stdout, "signature")[0].startswith(f"signature: {sig} signed by public key sha256:")
+
+
+@pytest.mark.parametrize("added", ["extra.txt", "model.sig.bak"])
+def test_beside_a_signature_inside_the_export_any_other_added_file_fails_naming_it(signed, tmp_path, added):
+    from policy_export.exporter.signing import sign_export
+
+    out = _copy(signed, tmp_path)
+    _, keys = signed
+    (tmp_path / "exp.sig").unlink()
+    sign_export(out, keys["a"][0], out / "model.sig")
+    (out / added).write_bytes((out / "model.sig").read_bytes() if added.startswith("model.sig") else b"notes\n")
+    for named in ((), ("--signature-file", str(out / "model.sig"))):
+        done = cli("verify", str(out), "--public-key", str(keys["a"][1]), *named)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"extra file {added} (not in the manifest)" in done.stdout, done.stdout
+        assert f"signature model.sig does not match the export: extra file {added} (not signed)" in done.stdout
+        assert "extra file model.sig " not in done.stdout  # the signature checked is the one file let through
+    done = _model_signing("verify", "key", str(out), "--signature", str(out / "model.sig"), "--public_key",
+                          str(keys["a"][1]))
+    assert done.returncode == 1 and added in done.stderr, done.stdout + done.stderr
+
+
+def test_only_the_signature_being_checked_is_let_through(signed, tmp_path):
+    """A plain ``verify`` checks no signature, so ``model.sig`` is an extra file like any other;
+    with ``exp.sig`` beside the export, that is the signature checked, and ``model.sig`` is extra."""
+    from policy_export.exporter.signing import sign_export
+
+    out = _copy(signed, tmp_path)
+    _, keys = signed
+    sign_export(out, keys["a"][0], out / "model.sig")
+    done = cli("verify", str(out))
+    assert done.returncode == 1 and "extra file model.sig (not in the manifest)" in done.stdout, done.stdout
+    done = cli("verify", str(out), "--public-key", str(keys["a"][1]))  # exp.sig beside: the one checked
+    assert done.returncode == 1 and "extra file model.sig (not in the manifest)" in done.stdout, done.stdout
+    assert "signature exp.sig does not match the export: extra file model.sig (not signed)" in done.stdout
+    (tmp_path / "exp.sig").unlink()
+    assert cli("verify", str(out), "--public-key", str(keys["a"][1])).returncode == 0
+    done = cli("sign", str(out), "--sign-key", str(keys["a"][0]))  # beside, with model.sig inside: unsigned
+    assert done.returncode == 1 and "extra file model.sig" in done.stdout and not (tmp_path / "exp.sig").exists()
+
+
+def test_a_signature_inside_that_leaves_an_unlisted_file_out_fails_naming_it(signed, tmp_path):
+    """model_signing accepts a signature that says it ignored a file (``--ignore-paths``); here
+    every file of the export must be signed, but the signature itself."""
+    from policy_export.exporter.signing import verify_signature
+
+    out = _copy(signed, tmp_path)
+    _, keys = signed
+    (tmp_path / "exp.sig").unlink()
+    (out / "extra.txt").write_text("left out of the signature\n")
+    done = _model_signing("sign", "key", str(out), "--private_key", str(keys["a"][0]), "--signature",
+                          str(out / "model.sig"), "--ignore-paths", str(out / "extra.txt"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _model_signing("verify", "key", str(out), "--signature", str(out / "model.sig"), "--public_key",
+                          str(keys["a"][1])).returncode == 0
+    check = verify_signature(out, public_key=keys["a"][1])
+    assert check.problems == ["extra file extra.txt (not signed: the signature leaves it out)"]
+    done = cli("verify", str(out), "--public-key", str(keys["a"][1]))
+    assert done.returncode == 1 and "extra file extra.txt (not in the manifest)" in done.stdout, done.stdout
+
+
+def test_a_signature_inside_never_replaces_a_file_of_the_export(signed, tmp_path):
+    from policy_export.errors import InputError
+    from policy_export.exporter.signing import sign_export
+
+    from helpers import resign
+
+    out = _copy(signed, tmp_path)
+    _, keys = signed
+    (out / "listed.sig").write_text("a file the manifest lists\n")
+    resign(out)
+    with pytest.raises(InputError, match="is a file the manifest of .* lists"):
+        sign_export(out, keys["a"][0], out / "listed.sig")
+    assert (out / "listed.sig").read_text() == "a file the manifest lists\n"
+    with pytest.raises(InputError, match="does not end in .sig"):
+        sign_export(out, keys["a"][0], out / "manifest.json")

@@ -81,7 +81,7 @@ def test_export_many_signs_each_export_and_model_signing_verifies_each(many):
     root = tmp / "root"
     assert sorted(p.name for p in root.iterdir() if p.suffix == ".sig") == ["p0.sig", "p1.sig"]
     for name in ("p0", "p1"):
-        assert not list((root / name).glob("*.sig"))  # beside the export, never inside it
+        assert not list((root / name).glob("*.sig"))  # export-many signs beside each export
         done = subprocess.run([str(MODEL_SIGNING), "verify", "key", str(root / name), "--signature",
                                str(root / f"{name}.sig"), "--public_key", str(keys["enc"][1])],
                               capture_output=True, text=True, timeout=300)
@@ -172,6 +172,45 @@ def test_verify_many_refuses_another_key_and_a_missing_signature_per_policy(many
     assert doc["p0"]["status"] == doc["p1"]["status"] == "failed"
     done = _run("verify-many", str(root), "--public-key", str(tmp_path / "none.pub"), "-q")
     assert done.returncode == 2 and "--public-key" in done.stderr and "no such file" in done.stderr
+
+
+def test_verify_many_refuses_a_linked_or_huge_signature_in_that_policy_alone(many, tmp_path):
+    """Each policy's signature is read in its own process as ``verify`` reads it: never through a
+    link, never more than a signature may hold (a sparse 8 GiB file is refused unread)."""
+    _, keys = many
+    root = _copy_root(many, tmp_path)
+    (root / "p0.sig").rename(tmp_path / "real.sig")
+    (root / "p0.sig").symlink_to(tmp_path / "real.sig")
+    (root / "p1.sig").unlink()
+    (root / "p1.sig").touch()
+    os.truncate(root / "p1.sig", 8 << 30)
+    report = tmp_path / "v.json"
+    done = _run("verify-many", str(root), "--public-key", str(keys["enc"][1]), "-q", "--report-json", str(report))
+    assert done.returncode == 1, done.stdout + done.stderr
+    doc = {p["name"]: p for p in json.loads(report.read_text())["policies"]}
+    assert doc["p0"]["signature"]["problems"] == [f"signature: signature {root / 'p0.sig'}: is a symbolic link, "
+                                                  "which is never followed: give the file itself"]
+    assert doc["p1"]["signature"]["problems"] == [f"signature: signature {root / 'p1.sig'}: is 8,589,934,592 "
+                                                  "bytes, more than a signature may hold (16,777,216)"]
+    assert doc["p0"]["status"] == doc["p1"]["status"] == "failed" and doc["p1"]["peak_rss_mb"] < 4000
+
+
+def test_verify_many_takes_a_signature_inside_an_export_and_no_other_added_file(many, tmp_path):
+    """``OUT/model.sig`` (where model_signing keeps a signature) is checked, and is the one file of
+    the export the manifest need not list; any other added file still fails that policy."""
+    _, keys = many
+    root = _copy_root(many, tmp_path)
+    (root / "p0.sig").rename(root / "p0" / "model.sig")
+    (root / "p1.sig").rename(root / "p1" / "model.sig")
+    (root / "p1" / "extra.txt").write_text("not signed")
+    report = tmp_path / "v.json"
+    done = _run("verify-many", str(root), "--public-key", str(keys["enc"][1]), "-q", "--report-json", str(report))
+    assert done.returncode == 1, done.stdout + done.stderr
+    doc = {p["name"]: p for p in json.loads(report.read_text())["policies"]}
+    assert doc["p0"]["status"] == "passed" and doc["p0"]["signature"]["passed"], doc["p0"]
+    assert doc["p1"]["status"] == "failed"
+    assert any("extra file extra.txt" in f for f in doc["p1"]["failures"]), doc["p1"]["failures"]
+    assert not any("extra file model.sig" in f for f in doc["p1"]["failures"]), doc["p1"]["failures"]
 
 
 def test_verify_many_without_signature_flags_checks_no_signature(many, tmp_path):

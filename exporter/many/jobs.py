@@ -108,6 +108,25 @@ def _options(raw: Any, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def path_options() -> set[str]:
+    """The options whose values name files (declared ``path``): the core's, every source's and format's."""
+    from policy_export.exporter import core_options
+
+    return {o.name for o in (*core_options.EXPORT, *_declared()) if o.path}
+
+
+def _rebased(options: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``options`` with every file they name (an option declared ``path``) taken relative to ``folder``."""
+    out = dict(options)
+    for name in path_options() & set(out):
+        value = out[name]
+        if isinstance(value, str):
+            out[name] = str(folder / value)
+        elif isinstance(value, list):
+            out[name] = [str(folder / v) if isinstance(v, str) else v for v in value]
+    return out
+
+
 def read_league(path: Path) -> list[dict[str, Any]]:
     """The entries of a league file: ``{"source": Path, "name", "policy_id", "options"}`` each.
 
@@ -133,10 +152,7 @@ def read_league(path: Path) -> list[dict[str, Any]]:
         for key in ("name", "policy_id"):
             if key in entry and not isinstance(entry[key], str):
                 raise InputError(f"{where}: {key!r} must be a string")
-        options = _options(entry.get("options"), where)
-        if isinstance(options.get("observations"), list):  # files named relative to the league file, as sources are
-            options["observations"] = [str(path.parent / p) if isinstance(p, str) else p
-                                       for p in options["observations"]]
+        options = _rebased(_options(entry.get("options"), where), path.parent)
         out.append({"source": (path.parent / entry["source"]), "name": entry.get("name"),
                     "policy_id": entry.get("policy_id"), "options": options})
     return out

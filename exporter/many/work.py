@@ -44,6 +44,10 @@ def _outcome(job: Job) -> dict[str, Any]:
 
         options = dict(job.options)
         request = options.pop("signature", None)
+        if request is not None:  # a signature at the export's top (OUT/model.sig) is not an extra file
+            from policy_export.exporter.signing import find_signature, inside_export
+
+            options["signature_inside"] = inside_export(job.out, find_signature(job.out, request.get("signature")))
         result = verify_export(job.out, **options)
         report, problems = result.parity, list(result.file_problems)
         passed = result.passed

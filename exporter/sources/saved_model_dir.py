@@ -76,7 +76,7 @@ class SavedModelSource(Source):
                api_type=(dict, str)),
         Option("weights", "TF1 policy SavedModels: take the variables' values from this tf.compat.v1.train.Saver "
                "checkpoint instead (RLlib <= 2.0's export_checkpoint: its directory, prefix or .index), by variable "
-               "name, every one checked before any is assigned", None, metavar="TF1_CHECKPOINT"),
+               "name, every one checked before any is assigned", None, metavar="TF1_CHECKPOINT", path=True),
         Option("dist_inputs", "Keras base models: the output holding the action distribution inputs (default: the "
                "one output of the width the action space needs)", None, metavar="KEY"),
     )
