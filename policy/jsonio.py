@@ -79,6 +79,9 @@ def _float(text: str) -> float:
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int, parse_float=_float)
+# for documents another tool writes with Python's json.dumps, whose NaN and Infinity are its own
+# (a Stable-Baselines3 zip's ``data``): those literals read as floats, every other limit kept
+_LENIENT = json.JSONDecoder(object_pairs_hook=_pairs, parse_int=_int, parse_float=float)
 
 
 def _check_tree(obj: Any) -> str | None:
@@ -109,8 +112,11 @@ def is_utf8(text: str) -> bool:
     return True
 
 
-def loads(data: str | bytes, source: str = "<json>", max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Parse one JSON document strictly (see the module docstring).
+def loads(data: str | bytes, source: str = "<json>", max_bytes: int = MAX_JSON_BYTES, *,
+          constants: bool = False) -> Any:
+    """Parse one JSON document strictly (see the module docstring); ``constants`` reads ``NaN``,
+    ``Infinity`` and ``-Infinity`` (and numbers that overflow) as floats, as Python's own
+    ``json.dumps`` writes them.
 
     Returns:
         The decoded value: dicts, lists, str, int, float, bool, ``None``.
@@ -130,7 +136,7 @@ def loads(data: str | bytes, source: str = "<json>", max_bytes: int = MAX_JSON_B
     else:
         raise JSONError(source, f"expected text or bytes, got {type(data).__name__}")
     try:
-        obj = _DECODER.decode(text)
+        obj = (_LENIENT if constants else _DECODER).decode(text)
     except _Refused as e:
         raise JSONError(source, f"not valid JSON: {e}") from e
     except RecursionError as e:

@@ -189,7 +189,7 @@ def test_a_weight_of_another_shape_is_named(tmp_path):
     state.write_bytes(pickle.dumps(weights, protocol=5))
     done = cli("convert", str(ckpt), "--out", str(tmp_path / "out"), "--formats", "onnx")
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "pi.net.mlp.0.weight has shape [3, 16], the config gives [2, 16]" in done.stderr
+    assert "pi.net.mlp.0.weight has shape [3, 16], the network implies [2, 16]" in done.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -225,7 +225,8 @@ def sample_observations(space: gym.Space, n: int, seed: int, prefix: str = OBSER
 def sample_inputs(observation_space, action_space, contract: "Contract", n: int, seed: int) -> dict[str, np.ndarray]:
     """``n`` rows of every required input: observations from the space; ``prev_action`` from the
     action space; ``seq_lens`` of 1 (one-step calls); states and rewards standard normal; other
-    required inputs zero (integers) or standard normal (floats)."""
+    required inputs zero (integers), standard normal (floats) or random flags, three in four true
+    (booleans: an action mask allows most actions, and now and then none)."""
     feeds = sample_observations(observation_space, n, seed)
     feeds = {k: v for k, v in feeds.items() if k in contract.input_keys}
     rng = np.random.default_rng(seed)
@@ -240,6 +241,8 @@ def sample_inputs(observation_space, action_space, contract: "Contract", n: int,
         dtype = np.dtype(spec.dtype)
         if np.issubdtype(dtype, np.floating):
             feeds[spec.key] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[spec.key] = rng.random(shape) < 0.75
         else:
             feeds[spec.key] = np.zeros(shape, dtype)
     return feeds

@@ -21,6 +21,11 @@ The modules the plugins use:
                         Keras base model, RLlib >= 2.1); lstm_step.py rebuilds a recurrent loop
     rlmodule/           RLlib's new API stack (torch RLModules): reader.py reads a checkpoint without
                         ray, torch or pickle; graph.py rebuilds each default module as a TF graph
+    sb3/                a Stable-Baselines3 model zip (and its vec_normalize.pkl): reader.py reads it
+                        without torch, SB3 or pickle; graph.py rebuilds what predict computes
+    torchfile.py        torch.save's format read without torch (the state dicts of torch sources);
+    torch_layers.py     torch's layers as TF ops on such weights; pickled_spaces.py gymnasium spaces
+                        from their pickled records
     rllib.py            a live RLlib TF policy (``from_rllib``: a Python object, not a path)
 """
 
@@ -36,7 +41,7 @@ __all__ = ["Inspection", "Loaded", "Opened", "Option", "Source", "all_sources", 
 
 # one entry per source (a module of this package with a SOURCE), in no particular order: detection
 # goes by each source's ``order``
-PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir", "export_dir", "rlmodule")
+PLUGINS = ("spec_dir", "rllib_checkpoint", "saved_model_dir", "export_dir", "rlmodule", "sb3")
 _REGISTRY: dict[str, Source] | None = None
 
 

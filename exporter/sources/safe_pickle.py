@@ -96,6 +96,7 @@ RECORD_TYPES_KEPT = 4096  # record types cached for the process; more are made p
 OBJECTS_LIMIT = 1 << 21  # pickle opcodes run (each builds at most one object) + msgpack values, per read
 DECODED_LIMIT = 256 << 20  # bytes base64- and zlib-decoded from a checkpoint's arrays, per read
 SECONDS_LIMIT = 30.0  # wall time of one read
+TENSOR_LIMIT = 1 << 30  # bytes of arrays made from a torch file's storages, per read
 RANK_LIMIT = 32  # dimensions of an array's declared shape
 
 
@@ -104,7 +105,8 @@ class ReadBudget:
     """What reading one checkpoint may spend; exceeding any part is :class:`UnsafeCheckpointError`.
 
     ``objects``: pickle opcodes and msgpack values (each builds at most one object); ``decoded``:
-    bytes decoded from base64 and zlib; ``seconds``: wall time from the budget's creation.
+    bytes decoded from base64 and zlib; ``tensors``: bytes of arrays made from torch storages;
+    ``seconds``: wall time from the budget's creation.
     ``used_objects`` and ``used_decoded`` say what a read took::
 
         budget = ReadBudget()
@@ -114,8 +116,10 @@ class ReadBudget:
     objects: int = OBJECTS_LIMIT
     decoded: int = DECODED_LIMIT
     seconds: float = SECONDS_LIMIT
+    tensors: int = TENSOR_LIMIT
     used_objects: int = 0
     used_decoded: int = 0
+    used_tensors: int = 0
     deadline: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,15 @@ class ReadBudget:
         if self.used_decoded > self.decoded:
             raise UnsafeCheckpointError(f"{where} decodes more than {self.decoded >> 20} MiB of arrays, the decoding "
                                         "budget of one checkpoint read")
+        self.check_time(where)
+
+    def charge_tensors(self, count: int, where: str) -> None:
+        """Count ``count`` bytes of arrays about to be made from a torch file's storages; raises
+        past :attr:`tensors` (before anything is allocated)."""
+        self.used_tensors += count
+        if self.used_tensors > self.tensors:
+            raise UnsafeCheckpointError(f"{where} makes more than {self.tensors >> 20} MiB of arrays, the tensor "
+                                        "budget of one read; nothing was allocated")
         self.check_time(where)
 
     def remaining_decoded(self) -> int:
@@ -584,6 +597,12 @@ class RestrictedUnpickler(pickle._Unpickler):
     read's :class:`ReadBudget`."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    # what resolves to an inert record: a reader of another tool's files names its own (the
+    # globals its files reference), so that no reader allows what only another needs
+    inert_prefixes: tuple[str, ...] = INERT_PREFIXES
+    inert_names: frozenset[tuple[str, str]] = frozenset(INERT_NAMES)
+    allowed_text = ("numpy arrays and dtypes, collections, builtin numbers; RLlib, cloudpickle, spaces and "
+                    "packaging.version only as inert records")
 
     def __init__(self, file, where: str, budget: ReadBudget | None = None):
         super().__init__(file)
@@ -648,29 +667,31 @@ class RestrictedUnpickler(pickle._Unpickler):
         rebuilder = REBUILDERS.get((module, name))
         if rebuilder is not None:
             return self.own.get(rebuilder, rebuilder)
-        if module.startswith(INERT_PREFIXES) or module in {p.rstrip(".") for p in INERT_PREFIXES} \
-                or (module, name) in INERT_NAMES or self.open_builders > 0:
+        prefixes = self.inert_prefixes
+        if (prefixes and (module.startswith(prefixes) or module in {p.rstrip(".") for p in prefixes})) \
+                or (module, name) in self.inert_names or self.open_builders > 0:
             record = _record_type(f"{module}.{name}")
             self.watching = self.watching or record.by_value
             return record
         raise UnsafeCheckpointError(
-            f"{self.where} references {module}.{name}, which is not on the allowlist of what a checkpoint "
-            "may rebuild (numpy arrays and dtypes, collections, builtin numbers; RLlib, cloudpickle, spaces "
-            "and packaging.version only as inert records); nothing was run")
+            f"{self.where} references {module[:NAME_LIMIT]}.{name[:NAME_LIMIT]}, which is not on the allowlist of "
+            f"what it may rebuild ({self.allowed_text}); nothing was run")
 
     def persistent_load(self, pid):
         raise UnsafeCheckpointError(f"{self.where} uses a persistent id ({short_repr(pid)}); a checkpoint never does")
 
 
-def loads(data: bytes, where: str, budget: ReadBudget | None = None) -> Any:
-    """Unpickle ``data`` (read from ``where``) with :class:`RestrictedUnpickler`, charged to
-    ``budget`` (default: the read in progress, see :func:`reading`).
+def loads(data: bytes, where: str, budget: ReadBudget | None = None,
+          unpickler: type[RestrictedUnpickler] = RestrictedUnpickler) -> Any:
+    """Unpickle ``data`` (read from ``where``) with ``unpickler`` (:class:`RestrictedUnpickler` or
+    a reader's subclass naming its own inert records), charged to ``budget`` (default: the read in
+    progress, see :func:`reading`).
 
     Raises:
         UnsafeCheckpointError: anything refused, over budget, or not a readable pickle.
     """
     try:
-        value = RestrictedUnpickler(io.BytesIO(data), where, budget).load()
+        value = unpickler(io.BytesIO(data), where, budget).load()
         check_value_size(value, where)
         return value
     except UnsafeCheckpointError as e:

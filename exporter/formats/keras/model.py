@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import stat
 import warnings
-import zipfile
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,7 @@ import tensorflow as tf
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.formats.runner import Runner, TensorMeta
 from policy_export.policy import h5io, jsonio
+from policy_export.policy.zipio import Archive
 from policy_export.errors import ExportError, RunTimeoutError
 
 SAVED_MODEL = "saved_model"
@@ -110,7 +107,6 @@ _PUBLIC_MODULES = ("keras", "keras.layers", "keras.initializers", "keras.regular
 # the members tf-keras writes into a ``.keras`` archive, and the most each may inflate to
 MAX_ARCHIVE_MEMBERS = {"config.json": jsonio.MAX_JSON_BYTES, "metadata.json": 1 << 20,
                        "model.weights.h5": h5io.MAX_WEIGHTS_BYTES, "model.weights.npz": h5io.MAX_WEIGHTS_BYTES}
-_CHUNK = 1 << 20
 
 
 def _short(value: Any) -> str:
@@ -230,93 +226,25 @@ def check_archive(path: Path) -> bytes:
     """Check a ``.keras`` archive before tf-keras opens it; its ``config.json``.
 
     Only the members tf-keras writes (:data:`MAX_ARCHIVE_MEMBERS`) may be there, each stored or
-    deflated, its declared size within its limit; every one is inflated here in chunks that stop
-    at that limit and at its declared size (which can lie), its CRC checked, so nothing tf-keras
-    reads afterwards inflates past it.
+    deflated, its declared size within its limit; every one is inflated here
+    (:class:`policy.zipio.Archive`) in chunks that stop at that limit and at its declared size
+    (which can lie), its CRC checked, so nothing tf-keras reads afterwards inflates past it.
 
     Raises:
         ExportError: a link or not a regular file, another member, a member over its limit (declared
             or inflated), a damaged archive.
     """
-    with _open_regular(path) as handle:
-        _check_directory(handle, path)
-        with zipfile.ZipFile(handle) as archive:
-            infos = archive.infolist()
-            names = [i.filename for i in infos]
-            if len(set(names)) != len(names) or not set(names) <= set(MAX_ARCHIVE_MEMBERS) or "config.json" not in names:
-                raise ExportError(f"{path}: members {_short(sorted(set(names)))}; a Keras file holds config.json "
-                                  f"and only {', '.join(n for n in MAX_ARCHIVE_MEMBERS if n != 'config.json')} besides")
-            config = b""
-            for info in infos:
-                data = _inflate(handle, info, path)
-                if info.filename == "config.json":
-                    config = data
-            return config
-
-
-def _open_regular(path: Path):
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise ExportError(f"cannot read {path}: {e.strerror} (a symbolic link is never followed)") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ExportError(f"refusing to read {path}: not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def _check_directory(handle, path: Path) -> None:
-    """Refuse a zip directory of more members than a Keras file holds, before :mod:`zipfile` parses it."""
-    size = os.fstat(handle.fileno()).st_size
-    handle.seek(max(0, size - (1 << 16) - 22))
-    tail = handle.read()
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < 22:
-        raise ExportError(f"{path} is not a readable Keras model file: no zip directory")
-    count, directory = int.from_bytes(tail[at + 10:at + 12], "little"), int.from_bytes(tail[at + 12:at + 16], "little")
-    if count > len(MAX_ARCHIVE_MEMBERS) or directory > 1 << 16:
-        raise ExportError(f"{path}: a zip directory of {count} members in {directory} bytes; a Keras file holds at "
-                          f"most {len(MAX_ARCHIVE_MEMBERS)}")
-    handle.seek(0)
-
-
-def _inflate(handle, info: zipfile.ZipInfo, path: Path) -> bytes:
-    """``info``'s bytes, inflated here in chunks and stopped past its limit or declared size; the
-    stream must end exactly at its declared size with its CRC (:mod:`zipfile` itself stops at the
-    declared size but inflates whatever a ``read()`` finds first). Kept for ``config.json`` only."""
-    limit, where = MAX_ARCHIVE_MEMBERS[info.filename], f"{path}:{info.filename}"
-    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 1:
-        raise ExportError(f"{where}: compression {info.compress_type} or encryption; a Keras file is stored or "
-                          "deflated")
-    if info.file_size > limit:
-        raise ExportError(f"{where} declares {info.file_size} bytes, over its {limit >> 20} MiB limit; nothing was "
-                          "inflated")
-    handle.seek(info.header_offset)
-    header = handle.read(30)
-    if len(header) < 30 or header[:4] != b"PK\x03\x04":
-        raise ExportError(f"{where}: no local header at byte {info.header_offset}")
-    handle.seek(info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little"))
-    inflater = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
-    keep, total, crc, chunks, left = info.filename == "config.json", 0, 0, [], info.compress_size
-    while left > 0:
-        raw = handle.read(min(left, _CHUNK))
-        if not raw:
-            break
-        left -= len(raw)
-        while raw:
-            data = inflater.decompress(raw, _CHUNK) if inflater else raw
-            raw = inflater.unconsumed_tail if inflater else b""
-            total += len(data)
-            if total > info.file_size:
-                raise ExportError(f"{where} inflates past its declared {info.file_size} bytes; refusing it")
-            crc = zlib.crc32(data, crc)
-            if keep:
-                chunks.append(data)
-    ended = inflater is None or (inflater.eof and not inflater.unused_data)
-    if left or not ended or total != info.file_size or crc != info.CRC:
-        raise ExportError(f"{where}: {total} bytes where {info.file_size} are declared, or a stream that does not "
-                          "end there or fails its CRC; not an archive tf-keras wrote")
-    return b"".join(chunks)
+    archive = Archive(path, str(path), allowed=lambda name: name in MAX_ARCHIVE_MEMBERS,
+                      max_members=len(MAX_ARCHIVE_MEMBERS), limit=MAX_ARCHIVE_MEMBERS.__getitem__,
+                      total=sum(MAX_ARCHIVE_MEMBERS.values()), error=ExportError)
+    with archive:
+        if "config.json" not in archive:
+            raise ExportError(f"{path}: members {_short(sorted(archive.names))}; a Keras file holds config.json "
+                              f"and only {', '.join(n for n in MAX_ARCHIVE_MEMBERS if n != 'config.json')} besides")
+        for name in archive.names:
+            if name != "config.json":
+                archive.check(name)
+        return archive.read("config.json")
 
 
 class KerasRunner(Runner):

@@ -30,8 +30,10 @@ from policy_export.exporter.sources.checkpoint import FilterState
 from policy_export.exporter.sources.checkpoint_policy import _observations, environment_actions, filtered
 from policy_export.exporter.sources.rlmodule.reader import DEFAULT_MODEL_CONFIG, ModuleCheckpoint, ModuleSpec
 from policy_export.exporter.sources.safe_pickle import short_repr
+from policy_export.exporter.sources.torch_layers import (
+    TORCH_ACTIVATIONS, TorchWeights, lstm_step, sequential_mlp,
+)
 from policy_export.policy.distributions import ActionDistribution, OneLeaf, SquashedGaussian
-from policy_export.policy.exact import exact_cast
 from policy_export.policy.head import action_head
 from policy_export.policy.tf_policy import TFPolicy, session_config
 from policy_export.signatures.keys import (
@@ -40,47 +42,10 @@ from policy_export.signatures.keys import (
 
 tf1 = tf.compat.v1
 
-# RLlib's get_activation_fn(name, framework="torch"): a torch.nn class by its own name first, then
-# these lower-case names; each as TF computes it (torch's defaults: LeakyReLU's slope 0.01, exact GELU)
-TORCH_ACTIVATIONS = {
-    None: None, "linear": None, "swish": tf.nn.silu, "silu": tf.nn.silu, "relu": tf.nn.relu, "tanh": tf.tanh,
-    "elu": tf.nn.elu, "ReLU": tf.nn.relu, "Tanh": tf.tanh, "ELU": tf.nn.elu, "SiLU": tf.nn.silu,
-    "Sigmoid": tf.sigmoid, "SELU": tf.nn.selu, "Softplus": tf.nn.softplus, "Softsign": tf.nn.softsign,
-    "ReLU6": tf.nn.relu6, "GELU": lambda x: tf.nn.gelu(x, approximate=False),
-    "LeakyReLU": lambda x: tf.nn.leaky_relu(x, alpha=0.01), "Mish": lambda x: x * tf.tanh(tf.nn.softplus(x)),
-}
 LAYERNORM_EPS = 1e-3  # TorchMLP's LayerNorm (ray.rllib.core.models.torch.primitives)
 ACTIONS = ("environment", "policy")
 GREEDY = {"dqn": "DQN explores epsilon-greedily on a schedule of the training step; the export serves the greedy "
                  "action (RLlib's forward_inference)"}
-
-
-class TorchWeights:
-    """A module's ``state_dict`` taken by name with the shape the config gives; which were used is kept."""
-
-    def __init__(self, weights: dict[str, np.ndarray], where: str):
-        self.weights, self.where, self.used = weights, where, []
-
-    def has(self, name: str) -> bool:
-        return name in self.weights
-
-    def take(self, name: str, shape: Sequence[int]) -> np.ndarray:
-        if name not in self.weights:
-            raise WeightsError(self.where, [f"the config implies a weight {name} {list(shape)}, which the module "
-                                            f"does not hold (it holds {', '.join(sorted(self.weights))[:600]})"])
-        value = self.weights[name]
-        if tuple(value.shape) != tuple(shape):
-            raise WeightsError(self.where, [f"weight {name} has shape {list(value.shape)}, the config gives "
-                                            f"{list(shape)}"])
-        exact, problem = exact_cast(value, np.float32) if value.dtype.kind == "f" else (None, f"is {value.dtype}, not a "
-                                                                                             "float array")
-        if problem is not None:
-            raise WeightsError(self.where, [f"weight {name} {problem}"])
-        self.used.append(name)
-        return exact
-
-    def prefixes(self, *candidates: str) -> list[str]:
-        return [p for p in candidates if any(k.startswith(p + ".") for k in self.weights)]
 
 
 @dataclass
@@ -129,30 +94,12 @@ def effective_config(spec: ModuleSpec) -> ModuleConfig:
 
 # ----------------------------------------------------------------------------- layers
 
-def _layer_norm(x: tf.Tensor, gamma: np.ndarray, beta: np.ndarray) -> tf.Tensor:
-    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
-    return (x - mean) / tf.sqrt(var + LAYERNORM_EPS) * gamma + beta
-
-
 def mlp(x: tf.Tensor, w: TorchWeights, prefix: str, sizes: Sequence[int], activation, layernorm: bool,
         output: int | None = None) -> tf.Tensor:
     """RLlib's ``TorchMLP`` under ``prefix`` (``<prefix>.<i>.weight``): each of ``sizes`` a Linear,
     an optional LayerNorm and ``activation``; then, when ``output`` is given, a linear output
     layer of that width. The ``Sequential``'s indices count the activation modules too."""
-    index, width = 0, int(x.shape[-1])
-    layers = [(n, True) for n in sizes] + ([(output, False)] if output is not None else [])
-    for units, hidden in layers:
-        kernel = w.take(f"{prefix}.{index}.weight", (units, width))
-        x = tf.matmul(x, kernel.T) + w.take(f"{prefix}.{index}.bias", (units,))
-        index += 1
-        if hidden and layernorm:
-            x = _layer_norm(x, w.take(f"{prefix}.{index}.weight", (units,)), w.take(f"{prefix}.{index}.bias", (units,)))
-            index += 1
-        if hidden and activation is not None:
-            x = activation(x)
-            index += 1
-        width = units
-    return x
+    return sequential_mlp(x, w, prefix, sizes, activation, LAYERNORM_EPS if layernorm else None, output)
 
 
 def encoder_mlp(x: tf.Tensor, w: TorchWeights, prefix: str, cfg: ModuleConfig) -> tf.Tensor:
@@ -165,18 +112,6 @@ def encoder_mlp(x: tf.Tensor, w: TorchWeights, prefix: str, cfg: ModuleConfig) -
 def head(x: tf.Tensor, w: TorchWeights, prefix: str, cfg: ModuleConfig, output: int) -> tf.Tensor:
     return mlp(x, w, f"{prefix}.net.mlp", cfg.sizes("head_fcnet_hiddens"), cfg.activation("head_fcnet_activation"),
                cfg.flag("head_fcnet_use_layernorm"), output)
-
-
-def lstm_step(x: tf.Tensor, h: tf.Tensor, c: tf.Tensor, w: TorchWeights, prefix: str, cell: int):
-    """One step of ``torch.nn.LSTM`` (one layer): gates ``i, f, g, o``."""
-    width = int(x.shape[-1])
-    gates = (tf.matmul(x, w.take(f"{prefix}.weight_ih_l0", (4 * cell, width)).T)
-             + w.take(f"{prefix}.bias_ih_l0", (4 * cell,))
-             + tf.matmul(h, w.take(f"{prefix}.weight_hh_l0", (4 * cell, cell)).T)
-             + w.take(f"{prefix}.bias_hh_l0", (4 * cell,)))
-    i, f, g, o = tf.split(gates, 4, axis=-1)
-    c2 = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
-    return tf.sigmoid(o) * tf.tanh(c2), c2
 
 
 # ----------------------------------------------------------------------------- modules

@@ -41,8 +41,9 @@ import numpy as np
 
 from policy_export.errors import ExportError, UnsafeCheckpointError
 from policy_export.exporter.sources.checkpoint import (
-    MALFORMED, FilterState, _filter_state, _numeric, _read_inside, space_from_dict,
+    MALFORMED, FilterState, _filter_state, _numeric, _read_inside,
 )
+from policy_export.exporter.sources.pickled_spaces import space_of
 from policy_export.exporter.sources.safe_pickle import ReadBudget, Record, loads, reading, short_repr
 from policy_export.policy import jsonio
 
@@ -470,48 +471,6 @@ def _module(root: Path, parts: tuple[str, ...], module_id: str, meta: dict[str, 
                       action_space=space_of(kwargs.get("action_space"), where + " (action_space)"),
                       model_config=dict(config), inference_only=bool(kwargs.get("inference_only", False)),
                       directory=parts, state_file=state, root=root)
-
-
-# ----------------------------------------------------------------------------- spaces
-
-_SPACES = {"gymnasium.spaces.box.Box": "box", "gymnasium.spaces.discrete.Discrete": "discrete",
-           "gymnasium.spaces.multi_discrete.MultiDiscrete": "multi-discrete",
-           "gymnasium.spaces.multi_binary.MultiBinary": "multi-binary", "gymnasium.spaces.tuple.Tuple": "tuple",
-           "gymnasium.spaces.dict.Dict": "dict"}
-
-
-def space_of(record: Any, where: str) -> gym.Space:
-    """A gymnasium space from its pickled record (the instance's ``__dict__``), rebuilt through the
-    same checks as RLlib's serialised spaces (:func:`exporter.sources.checkpoint.space_from_dict`)."""
-    return space_from_dict(_space_dict(record, where, 0), where)
-
-
-def _space_dict(record: Any, where: str, depth: int) -> dict[str, Any]:
-    kind = _SPACES.get(record.ref) if isinstance(record, Record) else None
-    if kind is None or depth > 16:
-        raise UnsafeCheckpointError(f"{where}: {short_repr(getattr(record, 'ref', record))} is not a gymnasium space "
-                                    f"this package rebuilds ({', '.join(n.rsplit('.', 1)[-1] for n in _SPACES)})")
-    f = record.fields()
-    dtype = f.get("dtype")
-    dtype_name = dtype.str if isinstance(dtype, np.dtype) else None
-    if kind == "box":
-        return {"space": "box", "low": f.get("low"), "high": f.get("high"), "shape": f.get("_shape"),
-                "dtype": dtype_name}
-    if kind == "discrete":
-        return {"space": "discrete", "n": f.get("n"), "start": f.get("start", 0)}
-    if kind == "multi-discrete":
-        return {"space": "multi-discrete", "nvec": f.get("nvec"), "dtype": dtype_name or "int64"}
-    if kind == "multi-binary":
-        n = f.get("n")
-        return {"space": "multi-binary", "n": list(n) if isinstance(n, (tuple, list)) else n}
-    spaces = f.get("spaces")
-    if isinstance(spaces, Record) and "entries" in spaces.__dict__:  # an OrderedDict subclass, as data
-        spaces = spaces.__dict__["entries"]
-    if kind == "dict" and isinstance(spaces, dict):
-        return {"space": "dict", "spaces": {k: _space_dict(v, where, depth + 1) for k, v in spaces.items()}}
-    if kind == "tuple" and isinstance(spaces, (list, tuple)):
-        return {"space": "tuple", "spaces": [_space_dict(v, where, depth + 1) for v in spaces]}
-    raise UnsafeCheckpointError(f"{where}: a {kind} space without its subspaces")
 
 
 # ----------------------------------------------------------------------------- connectors
