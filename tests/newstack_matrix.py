@@ -129,6 +129,8 @@ def source_options(root: Path, case: str, mid: str) -> dict:
     record, options = case_record(root, case), {"policy_id": mid}
     if record.get("filter_multi_agent"):
         options["filter_agent"] = next(a for a, m in record["agent_to_module"].items() if m == mid)
+    elif "module_obs_agent" in record:  # whose observations the recording holds (a multi-agent FlattenObservations)
+        options["filter_agent"] = str(record["module_obs_agent"][mid])
     return options
 
 

@@ -483,3 +483,38 @@ def test_the_gaussian_log_std_is_clipped_to_log_std_clip_param(case):
         policy.close()
     want = np.concatenate([mean, np.clip(log_std, -clip, clip)], axis=-1)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_multi_agent_flatten_is_rebuilt_for_the_modules_it_applies_to():
+    """``FlattenObservations(multi_agent=True, agent_ids=[0])``: p0 takes agent 0's Dict observation,
+    flattened; p1 agent 1's Box, untouched. Each module's agent is found from the spaces alone where
+    only one agent's observations fit it; where two agents' different observations both fit, the
+    agent must be named."""
+    from policy_export.errors import ExportError
+    from policy_export.exporter.sources.rlmodule.reader import read_module_checkpoint
+
+    checkpoint = read_module_checkpoint(NEWSTACK / "multi_agent_flatten/checkpoint")
+    assert checkpoint.flatten_agents == frozenset({0})
+    p0, flat0 = checkpoint.input_space(checkpoint.module("p0"), True)
+    p1, flat1 = checkpoint.input_space(checkpoint.module("p1"), True)
+    assert flat0 and sorted(p0.spaces) == ["mode", "pos"] and not flat1 and p1.shape == (3,)
+    everyone = read_module_checkpoint(NEWSTACK / "multi_agent_flatten_all/checkpoint")
+    assert everyone.flatten_agents is None
+    with pytest.raises(ExportError, match="the observations of agents 0, 1 all fit module 'p0'"):
+        everyone.input_space(everyone.module("p0"), True)
+    space, flat = everyone.input_space(everyone.module("p1"), True, "1")
+    assert flat and sorted(space.spaces) == ["flag", "vel"]
+    with pytest.raises(ExportError, match="agent 1 observes .* which module 'p0' does not take"):
+        checkpoint.input_space(checkpoint.module("p0"), True, "1")
+
+
+def test_a_multi_agent_flatten_converts_from_the_command_line(tmp_path):
+    done = cli("convert", str(NEWSTACK / "multi_agent_flatten/checkpoint"), "--out", str(tmp_path / "out"),
+               "--all-policies", "--formats", "onnx")
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((tmp_path / "out/p0/manifest.json").read_text())
+    assert [s["key"] for s in manifest["contract"]["inputs"] if s["required"]] == ["observations/mode",
+                                                                                  "observations/pos"]
+    done = cli("convert", str(NEWSTACK / "multi_agent_flatten_all/checkpoint"), "--out", str(tmp_path / "all"),
+               "--policy-id", "p0", "--formats", "onnx")
+    one_line_error(done, 2, "name the agent with --filter-agent ID")

@@ -19,9 +19,10 @@ from policy_export.exporter.sources.base import (
 )
 from policy_export.exporter.sources.safe_pickle import short_repr
 
-FILTER_AGENT = Option("filter_agent", "the agent whose MeanStdFilter statistics go in front of the module, where "
-                      "the filter keeps them per agent (a multi-agent filter: which agent maps to which module is "
-                      "code in the checkpoint, which is not run)", None, metavar="AGENT_ID")
+FILTER_AGENT = Option("filter_agent", "the agent whose observations the module takes, where the connectors keep "
+                      "them per agent: its MeanStdFilter statistics, its space behind a multi-agent "
+                      "FlattenObservations (which agent maps to which module is code in the checkpoint, which is "
+                      "not run)", None, metavar="AGENT_ID")
 
 
 class ModuleCheckpointSource(Source):
@@ -60,7 +61,7 @@ class ModuleCheckpointSource(Source):
         checkpoint = read_module_checkpoint(path)  # nothing imported or run
         policies = {}
         for mid, spec in checkpoint.modules.items():
-            policies[mid] = export_space(checkpoint, spec, checked["use_filter"])
+            policies[mid] = export_space(checkpoint, spec, checked["use_filter"], checked["filter_agent"])
         return Opened(self, Path(checkpoint.path), checked, policies, checkpoint)
 
     def choose(self, opened: Opened) -> tuple[list[str | None], bool]:
@@ -74,6 +75,7 @@ class ModuleCheckpointSource(Source):
                 raise ExportError(refusal)
             if v["use_filter"]:
                 checkpoint.filter_for(mid, v["filter_agent"])
+            checkpoint.input_space(checkpoint.modules[mid], v["use_filter"], v["filter_agent"])
         return ids, bool(v["all_policies"])
 
     def load(self, opened: Opened, policy_id: str | None, device: Any) -> Loaded:
@@ -131,12 +133,13 @@ class ModuleCheckpointSource(Source):
                 f"{source.get('actions')}"]
 
 
-def export_space(checkpoint: Any, spec: Any, use_filter: bool) -> Any:
-    """The observation space an export of ``spec`` takes (and samples): the environment's, in front
-    of FlattenObservations or the filter, or the module's own."""
-    if checkpoint.env_observation_space is not None and (checkpoint.flatten or (use_filter and checkpoint.filters)):
-        return checkpoint.env_observation_space
-    return spec.observation_space
+def export_space(checkpoint: Any, spec: Any, use_filter: bool, agent: str | None = None) -> Any:
+    """The observation space an export of ``spec`` takes (and samples); None where it depends on
+    an agent not named (the export says so when it loads)."""
+    try:
+        return checkpoint.input_space(spec, use_filter, agent)[0]
+    except ExportError:
+        return None
 
 
 def _plain(value: Any) -> Any:

@@ -273,22 +273,21 @@ def load_module_policy(checkpoint: ModuleCheckpoint, spec: ModuleSpec, *, use_fi
         raise ExportError(refusal)
     try:
         filt = checkpoint.filter_for(spec.module_id, filter_agent) if use_filter else None
-        return _load(checkpoint, spec, filt, actions, device)
+        return _load(checkpoint, spec, filt, actions, device, filter_agent)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as e:
         raise ExportError(f"module {spec.module_id!r}: its config cannot be rebuilt: {type(e).__name__}: "
                           f"{str(e)[:300]}") from e
 
 
 def _load(checkpoint: ModuleCheckpoint, spec: ModuleSpec, filt: FilterState | None, actions: str,
-          device: str | None):
+          device: str | None, agent: str | None = None):
     cfg = effective_config(spec)
-    space = checkpoint.env_observation_space if checkpoint.env_observation_space is not None \
-        and (checkpoint.flatten or filt is not None) else spec.observation_space
+    space, flatten = checkpoint.input_space(spec, filt is not None, agent)
     weights = TorchWeights(spec.weights(), f"module {spec.module_id!r}")
     graph = tf.Graph()
     with graph.as_default(), tf.device(device):
         tf1.set_random_seed(0)
-        obs, flat = _observations(space, checkpoint.flatten)  # FlattenObservations: one-hot, sorted keys
+        obs, flat = _observations(space, flatten)  # FlattenObservations: one-hot, sorted keys
         width = int(np.prod(spec.observation_space.shape))
         if int(flat.shape[-1]) != width:
             raise ExportError(f"module {spec.module_id!r} takes {width} observation values; the environment's "

@@ -238,6 +238,10 @@ class ModuleCheckpoint:
     clip_actions: bool = False
     env_observation_space: gym.Space | None = None  # what the environment gives (single agent)
     flatten: bool = False  # FlattenObservations: the environment's observations flattened (one-hot, sorted keys)
+    # FlattenObservations(multi_agent=True): what each agent observes (the pipeline's input space,
+    # keyed by agent id), and the agents it flattens (None: every agent)
+    agent_spaces: dict[Any, gym.Space] = field(default_factory=dict)
+    flatten_agents: frozenset | None = None
 
     def module(self, module_id: str | None = None) -> ModuleSpec:
         ids = list(self.modules)
@@ -249,6 +253,50 @@ class ModuleCheckpoint:
         if module_id not in self.modules:
             raise ExportError(f"{self.path} holds no module {module_id!r}; its module ids: {', '.join(ids)}")
         return self.modules[module_id]
+
+    def input_space(self, spec: ModuleSpec, use_filter: bool, agent: str | None = None) -> tuple[gym.Space, bool]:
+        """The observation space an export of ``spec`` takes, and whether FlattenObservations
+        flattens it: the environment's in front of FlattenObservations or the filter, else the
+        module's own. Behind a multi-agent FlattenObservations, the space of the agent named (an
+        agent id, compared as text), or of the agents whose observations fit the module, which must
+        agree: which agent maps to which module is code in the checkpoint, which is not run.
+
+        Raises:
+            ExportError: no agent's observations fit the module, or several that differ (name one).
+        """
+        if not self.agent_spaces:
+            if self.env_observation_space is not None and (self.flatten or (use_filter and self.filters)):
+                return self.env_observation_space, self.flatten
+            return spec.observation_space, False
+        width = int(np.prod(spec.observation_space.shape))
+
+        def takes(a: Any) -> tuple[gym.Space, bool] | None:
+            raw = self.agent_spaces[a]
+            if self.flatten_agents is None or a in self.flatten_agents:
+                return (raw, True) if gym.spaces.flatdim(raw) == width else None
+            return (spec.observation_space, False) if raw == spec.observation_space else None
+
+        if agent is not None:
+            found = [a for a in self.agent_spaces if str(a) == agent]
+            if len(found) != 1:
+                what = "holds no agent" if not found else "holds more than one agent named"
+                raise ExportError(f"{self.path}: FlattenObservations {what} {agent!r}; its agents: "
+                                  f"{_agents(self.agent_spaces)}")
+            fit = takes(found[0])
+            if fit is None:
+                raise ExportError(f"{self.path}: agent {agent} observes {self.agent_spaces[found[0]]}, which module "
+                                  f"{spec.module_id!r} does not take ({spec.observation_space})")
+            return fit
+        fits = {a: f for a in self.agent_spaces if (f := takes(a)) is not None}
+        distinct = {(str(f[0]), f[1]): f for f in fits.values()}
+        if len(distinct) == 1:
+            return next(iter(distinct.values()))
+        if not fits:
+            raise ExportError(f"{self.path}: no agent's observations ({_agents(self.agent_spaces)}) fit module "
+                              f"{spec.module_id!r}, which takes {spec.observation_space}")
+        raise ExportError(f"{self.path}: the observations of agents {_agents(fits)} all fit module "
+                          f"{spec.module_id!r}, as different spaces, and which agent maps to it is code in the "
+                          "checkpoint, which is not run; name the agent with --filter-agent ID")
 
     def filter_for(self, module_id: str, agent: str | None = None) -> FilterState | None:
         """The observation filter in front of ``module_id``: the single-agent filter; for a
@@ -537,7 +585,7 @@ def _pipelines(root: Path, checkpoint: ModuleCheckpoint) -> None:
             if ENV_TO_MODULE[name] == "MeanStdFilter":
                 checkpoint.filters = _mean_std_filter(root, _connector_kwargs(entry))
             elif ENV_TO_MODULE[name] == "FlattenObservations":
-                _check_flatten(_connector_kwargs(entry), checkpoint, root)
+                _check_flatten(_connector_kwargs(entry), args, checkpoint, root)
     m2e = _pipeline(root, "module_to_env_connector")
     if m2e is not None:
         names, _, extra = m2e
@@ -549,14 +597,47 @@ def _pipelines(root: Path, checkpoint: ModuleCheckpoint) -> None:
                 checkpoint.clip_actions = _switch(kwargs.get("clip_actions", False), "clip_actions", root)
 
 
-def _check_flatten(kwargs: dict[str, Any], checkpoint: ModuleCheckpoint, root: Path) -> None:
-    """``FlattenObservations`` as it is rebuilt: every key, one agent, the environment's space known."""
-    if kwargs.get("multi_agent") or kwargs.get("keys_to_remove") or kwargs.get("agent_ids"):
-        raise ExportError(f"{root}: FlattenObservations with multi_agent, agent_ids or keys_to_remove is not rebuilt")
-    if checkpoint.env_observation_space is None:
-        raise ExportError(f"{root}: FlattenObservations, but the environment's observation space is not in the "
-                          "connector pipeline")
+def _check_flatten(kwargs: dict[str, Any], args: tuple, checkpoint: ModuleCheckpoint, root: Path) -> None:
+    """``FlattenObservations`` as it is rebuilt: every key, the environment's space known; with
+    ``multi_agent``, the space of every agent (the pipeline's input, keyed by agent id) and the
+    agents it flattens (``agent_ids``, None: all)."""
+    if kwargs.get("keys_to_remove"):
+        raise ExportError(f"{root}: FlattenObservations with keys_to_remove is not rebuilt")
+    multi = _switch(kwargs.get("multi_agent", False), "FlattenObservations multi_agent", root)
+    if not multi:
+        if kwargs.get("agent_ids") is not None:
+            raise ExportError(f"{root}: FlattenObservations with agent_ids but not multi_agent is not rebuilt")
+        if checkpoint.env_observation_space is None:
+            raise ExportError(f"{root}: FlattenObservations, but the environment's observation space is not in the "
+                              "connector pipeline")
+        checkpoint.flatten = True
+        return
+    where = str(root / "env_runner" / "env_to_module_connector")
+    spaces = args[0].fields().get("spaces") if args and isinstance(args[0], Record) else None
+    if isinstance(spaces, Record) and "entries" in spaces.__dict__:
+        spaces = spaces.__dict__["entries"]
+    if not isinstance(spaces, dict) or not spaces or len(spaces) > MAX_MODULES:
+        raise ExportError(f"{root}: a multi-agent FlattenObservations, but the agents' observation spaces are not in "
+                          "the connector pipeline")
+    for agent in spaces:
+        _check_agent_id(agent, where)
+    checkpoint.agent_spaces = {a: space_of(v, f"{where} (agent {short_repr(a, 40)})") for a, v in spaces.items()}
+    ids = kwargs.get("agent_ids")
+    if ids is not None:
+        if not isinstance(ids, (list, tuple, set, frozenset)) or len(ids) > MAX_MODULES:
+            raise UnsafeCheckpointError(f"{where}: agent_ids {short_repr(ids)} is not a collection of agent ids")
+        for agent in ids:
+            _check_agent_id(agent, where)
+        ids = frozenset(ids)
+    checkpoint.flatten_agents = ids
     checkpoint.flatten = True
+
+
+def _check_agent_id(agent: Any, where: str) -> None:
+    if not ((isinstance(agent, str) and len(agent) <= AGENT_ID_CHARS)
+            or (isinstance(agent, int) and not isinstance(agent, bool) and abs(agent) < 1 << 63)):
+        raise UnsafeCheckpointError(f"{where}: agent id {short_repr(agent, 40)} is not a name (at most "
+                                    f"{AGENT_ID_CHARS} characters) or a 64-bit number")
 
 
 def _optional_space(record: Any, where: str) -> gym.Space | None:
@@ -585,10 +666,8 @@ def _mean_std_filter(root: Path, kwargs: dict[str, Any]) -> dict[Any, FilterStat
         raise UnsafeCheckpointError(f"{where} does not hold the filter's statistics per agent")
     filters = {}
     for agent, params in state.items():
-        if not (agent is None or (isinstance(agent, str) and len(agent) <= AGENT_ID_CHARS)
-                or (isinstance(agent, int) and not isinstance(agent, bool) and abs(agent) < 1 << 63)):
-            raise UnsafeCheckpointError(f"{where}: agent id {short_repr(agent, 40)} is not a name (at most "
-                                        f"{AGENT_ID_CHARS} characters) or a 64-bit number")
+        if agent is not None:
+            _check_agent_id(agent, where)
         if not isinstance(params, dict):
             raise UnsafeCheckpointError(f"{where}: the statistics of agent {short_repr(agent)} are not readable")
         stats = params.get("running_stats")
