@@ -167,16 +167,15 @@ def test_a_link_or_a_missing_file_is_refused_before_tensorflow(tmp_path, recorde
 
 
 def test_files_are_streamed_in_chunks(tmp_path, monkeypatch):
-    """Rows are read chunk by chunk (memory bounded by the chunk and the kept rows), from a
-    plain .npy and from a deflated .npz member alike."""
+    """Rows are read chunk by chunk, CHUNK_BYTES at a time (memory bounded by the chunk and the
+    kept rows), from a plain .npy and from a deflated .npz member alike."""
     from policy_export.exporter import recorded
     from policy_export.exporter.parity.compare import sample_inputs  # noqa: F401  (the contract's helpers load)
     from policy_export.policy.spaces import space_from_json
 
-    from policy_export.exporter.recorded import arrays, columns
+    from policy_export.exporter.recorded import budget
 
-    monkeypatch.setattr(columns, "CHUNK_ROWS", 7)
-    monkeypatch.setattr(arrays, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(budget, "CHUNK_BYTES", 7 * 16)  # 7 rows of 4 float32 a chunk
     data = np.random.default_rng(3).standard_normal((100, 4)).astype(np.float32)
     np.save(tmp_path / "a.npy", data)
     np.savez_compressed(tmp_path / "b.npz", observations=data)
@@ -195,6 +194,8 @@ def test_files_are_streamed_in_chunks(tmp_path, monkeypatch):
         kept = rows.indices[0]
         assert len(kept) == 30
         np.testing.assert_array_equal(rows.inputs["observations"], data[kept])
+        chunks = list(recorded.open_file(tmp_path / name).columns["observations"].chunks())
+        assert [len(c) for c in chunks] == [7] * 14 + [2]  # CHUNK_BYTES of rows at a time
 
 
 # ---------------------------------------------------------------------------------------- RLlib's offline data

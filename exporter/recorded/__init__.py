@@ -12,11 +12,15 @@ A file is one of:
 - RLlib's offline Parquet (``.parquet``, as the new API stack writes it).
 
 Every file is checked before TensorFlow loads (:func:`check_paths`: a regular file, not a link,
-of a known kind, its arrays' names and shapes readable from their headers), then read once the
-policy's spaces are known (:func:`read_recorded`): streamed in chunks, so memory is bounded by the
-rows kept, not by the file; every row checked against the observation space (the dtype must cast
-to the space's without changing kind, the shape must be the space's, NaN is refused, naming the
-key and row; rows outside the space's bounds are counted and reported, and kept). When the files
+of a known kind, its arrays' names and shapes readable from their headers, RLlib's files decoded
+once), then read once the policy's spaces are known (:func:`read_recorded`): streamed in chunks,
+so memory is bounded by the rows kept, not by the file, and what a file may cost to decode is
+bounded by :mod:`.budget` (chunks and cells of bounded bytes, checked before they are decoded;
+each pass over a file decoding at most a multiple of its bytes on disk, the files of one command
+sharing a floor): a bound exceeded is a refusal (``InputError``), never gigabytes or minutes.
+Every row is checked against the observation space (the dtype must cast to the space's without
+changing kind, the shape must be the space's, NaN is refused, naming the key and row; rows
+outside the space's bounds are counted and reported, and kept). When the files
 hold more rows than ``limit``, a deterministic sub-sample (``seed``) is kept; the record says
 which rows of which file, with each file's sha256. For a recurrent policy whose files give
 episodes and no state, a bounded sub-sample of whole episodes is also kept (:mod:`.episodes`),
@@ -77,25 +81,28 @@ def _kind(path: Path) -> str:
     return suffix[1:]
 
 
-def _regular(path: Path, directory: bool = False) -> os.stat_result:
+def _regular(path: Path, directory: bool = False, flag: str = "--observations") -> os.stat_result:
+    """``path``'s ``lstat``: a regular file that is not empty (or, with ``directory``, a directory);
+    ``flag`` names its option in messages."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        raise InputError(f"--observations {path}: no such file") from None
+        raise InputError(f"{flag} {path}: no such file") from None
     except OSError as e:
-        raise InputError(f"--observations {path}: cannot be read: {e.strerror}") from None
+        raise InputError(f"{flag} {path}: cannot be read: {e.strerror}") from None
     if directory and stat.S_ISDIR(info.st_mode):
         return info
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-        raise InputError(f"--observations {path}: not a regular file (a symbolic link is not followed)")
+        raise InputError(f"{flag} {path}: not a regular file (a symbolic link is not followed)")
     if info.st_size == 0:
-        raise InputError(f"--observations {path}: the file is empty")
+        raise InputError(f"{flag} {path}: the file is empty")
     return info
 
 
-def open_file(path: str | Path, policy: str | None = None) -> RecordedFile:
+def open_file(path: str | Path, policy: str | None = None, share: int = 1) -> RecordedFile:
     """``path`` opened as a recorded file (a directory: RLlib's Parquet output): its columns known,
-    their rows counted, nothing kept; ``policy`` picks a multi-agent file's policy by name.
+    their rows counted, nothing kept; ``policy`` picks a multi-agent file's policy by name;
+    ``share`` is the number of files read together (they share the floors of :mod:`.budget`).
 
     Raises:
         InputError: not a file of a known kind, or unreadable (named).
@@ -107,15 +114,15 @@ def open_file(path: str | Path, policy: str | None = None) -> RecordedFile:
     if kind in ("npy", "npz"):
         from policy_export.exporter.recorded import arrays
 
-        columns = arrays.columns(path, kind)
+        columns = arrays.columns(path, kind, share)
     elif kind == "json":
         from policy_export.exporter.recorded import rllib_json
 
-        columns = rllib_json.columns(path, policy)
+        columns = rllib_json.columns(path, policy, share)
     else:
         from policy_export.exporter.recorded import parquet
 
-        columns = parquet.columns(path)
+        columns = parquet.columns(path, share)
     if not columns:
         raise InputError(f"--observations {path}: holds no arrays")
     rows = {c.rows for c in columns.values()}
@@ -144,7 +151,7 @@ def check_paths(paths: Sequence[str | Path] | None) -> list[Path] | None:
         if path.is_dir() and not path.is_symlink():
             continue  # RLlib's Parquet output: read once the policy is known
         try:
-            open_file(path)
+            open_file(path, share=len(paths))
         except InputError as e:
             from policy_export.exporter.recorded.rllib_json import PolicyNotNamed
 
@@ -216,7 +223,7 @@ def read_recorded(paths: Sequence[Path], observation_space, contract, limit: int
     """
     from policy_export.exporter.recorded import checks
 
-    files = [open_file(p, policy) for p in paths]
+    files = [open_file(p, policy, len(paths)) for p in paths]
     leaves = checks.observation_leaves(observation_space)
     keys = set(contract.input_keys)
     maps = [_key_map(f, list(leaves), keys) for f in files]

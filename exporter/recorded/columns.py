@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-CHUNK_ROWS = 1 << 16  # rows read at a time while a file is streamed
+from policy_export.exporter.recorded.budget import chunk_rows
+
 EPISODE_IDS = ("episode_ids", "eps_id")  # per row: the episode it belongs to (rows of one id, in file order)
 EPISODE_ENDS = ("dones", "terminateds", "truncateds")  # per row: true ends the episode at that row
 REWARDS = "rewards"  # per row: the reward the step earned (the next step's prev_reward)
@@ -28,8 +29,10 @@ class Column:
 
 
 def chunked(array: np.ndarray) -> Iterator[np.ndarray]:
-    for start in range(0, len(array), CHUNK_ROWS):
-        yield array[start:start + CHUNK_ROWS]
+    """``array``'s rows, ``CHUNK_BYTES`` at a time (views, nothing copied)."""
+    step = chunk_rows(array[:1].nbytes)
+    for start in range(0, len(array), step):
+        yield array[start:start + step]
 
 
 def in_memory(key: str, array: np.ndarray, optional: bool = False) -> Column:

@@ -11,7 +11,10 @@ also replayed episode by episode, from its initial state, the state carried from
 
 A deterministic sub-sample (``seed``) of at most :data:`MAX_SEQUENCES` whole episodes is kept,
 each truncated at :data:`MAX_STEPS` steps, so memory is bounded by ``MAX_SEQUENCES x MAX_STEPS``
-rows (and the files' episode counts), not by the files. A ``rewards`` column (the reward each
+rows, not by the files. The episodes are counted in arrays (an id's number found in a sorted
+array of the ids seen, the rows of each in one array of counts), never a Python object each, and
+at most :data:`~exporter.recorded.budget.MAX_EPISODES` of them a file: more is a refusal naming
+the file, decided as the count passes it. A ``rewards`` column (the reward each
 step earned) gives the next step's ``prev_reward``.
 """
 
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from policy_export.errors import InputError
+from policy_export.exporter.recorded.budget import MAX_EPISODES
 from policy_export.exporter.recorded.columns import EPISODE_ENDS, EPISODE_IDS, REWARDS, Column
 
 MAX_SEQUENCES = 16  # episodes replayed step by step, at most
@@ -54,41 +58,88 @@ def boundary_column(columns: Mapping[str, Column]) -> str | None:
     return None
 
 
-def episode_numbers(column: Column) -> Iterator[np.ndarray]:
-    """Per chunk of rows: the episode number of each row (episodes numbered in file order)."""
-    ids: dict[Any, int] = {}
+class _Numbering:
+    """Episode ids to episode numbers in order of first appearance, in sorted arrays (no Python
+    object per episode), at most :data:`MAX_EPISODES` ids."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.ids: np.ndarray | None = None  # sorted
+        self.numbers = np.zeros(0, np.int64)  # the number of each of ``ids``
+
+    def __call__(self, chunk: np.ndarray) -> np.ndarray:
+        if chunk.dtype.kind == "f" and not np.isfinite(chunk).all():
+            raise InputError(f"{self.where}: an episode id that is NaN or infinite")
+        values, first, inverse = np.unique(chunk, return_index=True, return_inverse=True)
+        if self.ids is None:
+            self.ids = values[:0]
+        elif self.ids.dtype != np.result_type(self.ids.dtype, values.dtype):  # an int line, then a float one
+            self.ids = self.ids.astype(np.result_type(self.ids.dtype, values.dtype))
+        at = np.searchsorted(self.ids, values)
+        known = at < len(self.ids)
+        known[known] = self.ids[at[known]] == values[known]
+        new = np.flatnonzero(~known)
+        new = new[np.argsort(first[new], kind="stable")]  # in order of their first row
+        if len(self.ids) + len(new) > MAX_EPISODES:
+            raise InputError(f"{self.where}: more than {MAX_EPISODES} episodes; a recurrent policy's episodes are "
+                             "read up to that many (give fewer, or each row's state_in_<i>)")
+        numbers = np.empty(len(values), np.int64)
+        numbers[known] = self.numbers[at[known]]
+        numbers[new] = len(self.ids) + np.arange(len(new))
+        if len(new):
+            order = np.argsort(values[new], kind="stable")  # values[new] is unique: merged in sorted order
+            where = np.searchsorted(self.ids, values[new][order])
+            self.ids = np.insert(self.ids, where, values[new][order])
+            self.numbers = np.insert(self.numbers, where, numbers[new][order])
+        return numbers[inverse.reshape(-1)]
+
+
+def episode_numbers(column: Column, where: str = "--observations") -> Iterator[np.ndarray]:
+    """Per chunk of rows: the episode number of each row (episodes numbered in file order).
+
+    Raises:
+        InputError: more than :data:`MAX_EPISODES` episodes, or an id that is not a finite number.
+    """
+    where = f"{where}: {column.key}"
+    numbering = _Numbering(where)
     ended = 0
     for chunk in column.chunks():
         chunk = np.asarray(chunk).reshape(-1)
         if column.key in EPISODE_ENDS:
             done = chunk.astype(bool)
-            yield ended + np.cumsum(done) - done
+            numbers = ended + np.cumsum(done) - done
             ended += int(done.sum())
+            if ended > MAX_EPISODES:
+                raise InputError(f"{where}: more than {MAX_EPISODES} episodes; a recurrent policy's episodes are "
+                                 "read up to that many (give fewer, or each row's state_in_<i>)")
+            yield numbers
             continue
-        values, first, inverse = np.unique(chunk, return_index=True, return_inverse=True)
-        for v in values[np.argsort(first)]:
-            ids.setdefault(v.item(), len(ids))
-        yield np.array([ids[v.item()] for v in values], np.int64)[inverse.reshape(-1)]
+        yield numbering(chunk)
 
 
-def _counts(column: Column) -> np.ndarray:
-    counts = np.zeros(0, np.int64)
-    for numbers in episode_numbers(column):
+def _counts(column: Column, where: str = "--observations") -> np.ndarray:
+    """Rows of each episode (by number), counted chunk by chunk in one array (its length grown by
+    doubling: at most ``MAX_EPISODES``)."""
+    counts, size = np.zeros(0, np.int64), 0
+    for numbers in episode_numbers(column, where):
         if not len(numbers):
             continue
-        here = np.bincount(numbers)
-        if len(here) > len(counts):
-            counts = np.pad(counts, (0, len(here) - len(counts)))
-        counts[:len(here)] += here
-    return counts
+        top = int(numbers.max()) + 1
+        if top > len(counts):
+            grown = np.zeros(max(top, 2 * len(counts)), np.int64)
+            grown[:len(counts)] = counts
+            counts = grown
+        size = max(size, top)
+        counts[:top] += np.bincount(numbers, minlength=top)
+    return counts[:size]
 
 
-def _rows_of(column: Column, chosen: np.ndarray, steps: int) -> dict[int, np.ndarray]:
+def _rows_of(column: Column, chosen: np.ndarray, steps: int, where: str = "--observations") -> dict[int, np.ndarray]:
     """The first ``steps`` rows of each chosen episode (its numbers in ``chosen``)."""
     rows: dict[int, list[np.ndarray]] = {int(e): [] for e in chosen}
     taken = dict.fromkeys(rows, 0)
     start = 0
-    for numbers in episode_numbers(column):
+    for numbers in episode_numbers(column, where):
         for e in np.intersect1d(numbers, chosen):
             e = int(e)
             if taken[e] < steps:
@@ -102,17 +153,29 @@ def _rows_of(column: Column, chosen: np.ndarray, steps: int) -> dict[int, np.nda
 def choose(files: list[Any], seed: int, sequences: int = MAX_SEQUENCES) -> tuple[list[tuple[int, int, int]], int]:
     """``(file number, episode number, steps in the file)`` of the episodes kept: all of them when
     there are at most ``sequences``, else a sub-sample drawn with ``seed``; in file order. Also
-    how many episodes the files hold."""
-    found = []
+    how many episodes the files hold. The episodes are counted in arrays, never one object each.
+
+    Raises:
+        InputError: more than :data:`MAX_EPISODES` episodes in a file.
+    """
+    numbers, episodes, counts = [], [], []
     for number, f in enumerate(files):
         name = boundary_column(f.columns)
         if name is not None:
-            counts = _counts(f.columns[name])
-            found.extend((number, int(e), int(c)) for e, c in enumerate(counts) if c > 0)
-    if len(found) <= sequences:
-        return found, len(found)
-    picked = np.sort(np.random.default_rng(seed).choice(len(found), size=sequences, replace=False))
-    return [found[i] for i in picked], len(found)
+            here = _counts(f.columns[name], f"--observations {f.path}")
+            held = np.flatnonzero(here > 0)
+            numbers.append(np.full(len(held), number, np.int64))
+            episodes.append(held)
+            counts.append(here[held])
+    if not numbers:
+        return [], 0
+    numbers, episodes, counts = np.concatenate(numbers), np.concatenate(episodes), np.concatenate(counts)
+    total = len(episodes)
+    if total <= sequences:
+        picked = np.arange(total)
+    else:
+        picked = np.sort(np.random.default_rng(seed).choice(total, size=sequences, replace=False))
+    return [(int(numbers[i]), int(episodes[i]), int(counts[i])) for i in picked], total
 
 
 def _select(column: Column, rows: np.ndarray) -> np.ndarray:
@@ -153,7 +216,8 @@ def read_episodes(files: list[Any], maps: list[dict[str, str]], leaves: Mapping[
         mine = [(e, c) for n, e, c in chosen if n == number]
         if not mine:
             continue
-        rows = _rows_of(f.columns[boundary_column(f.columns)], np.array([e for e, _ in mine]), steps)
+        rows = _rows_of(f.columns[boundary_column(f.columns)], np.array([e for e, _ in mine]), steps,
+                        f"--observations {f.path}")
         union = np.unique(np.concatenate(list(rows.values())))
         where = {e: np.searchsorted(union, r) for e, r in rows.items()}
         for column_name, key in maps[number].items():

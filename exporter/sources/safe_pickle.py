@@ -631,10 +631,15 @@ class RestrictedUnpickler(pickle._Unpickler):
         self.own = {_reconstruct: reconstruct, _dtype: dtype}
 
     def load(self):
-        value = super().load()
-        self.budget.charge_objects(self.pending, self.where)
-        self.pending = 0
-        return value
+        try:
+            value = super().load()
+            self.budget.charge_objects(self.pending, self.where)
+            self.pending = 0
+            return value
+        finally:  # the closures in own refer to self: drop what the memo keeps alive now, not at the next GC
+            self.own, self.fresh, self.made = {}, {}, {}
+            self.memo = _Memo()
+            self.stack, self.metastack = [], []
 
     def load_build(self):
         state, inst = self.stack[-1], self.stack[-2]
