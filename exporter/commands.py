@@ -241,11 +241,19 @@ def _partial_status(console, result, args) -> int:
 
 
 def cmd_verify(args, console) -> int:
+    from policy_export.exporter.foreign import is_model_file
     from policy_export.exporter.manifest import read_manifest
     from policy_export.exporter.options import VerifyOptions
     from policy_export.exporter.parity.compare import Tolerances
     from policy_export.exporter.parity.replay import parse_candidates
 
+    if is_model_file(args.out):
+        return _verify_model_file(args, console)
+    if args.reference is not None:
+        from policy_export.errors import InputError
+
+        raise InputError(f"--reference checks a model file (MODEL.onnx) against a recording; {args.out} is an export "
+                         "(its stored plan is replayed: verify OUT)")
     doc = read_manifest(Path(args.out))  # read once: verify takes it as read
     opts = VerifyOptions(samples=args.samples, seed=args.seed,
                          tolerances=_tolerances(args, Tolerances.from_json(doc["tolerances"])),
@@ -290,6 +298,48 @@ def cmd_verify(args, console) -> int:
         return EXIT_CHECK_FAILED
     what = "every candidate matches its plan" if candidates else "every format matches"
     console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, {what}")
+    return EXIT_OK
+
+
+def _verify_model_file(args, console) -> int:
+    """``verify MODEL.onnx --reference REF.npz``: a model exported elsewhere against its framework's recording."""
+    from policy_export.exporter.foreign import check_reference_options, verify_reference
+    from policy_export.exporter.options import VerifyOptions
+    from policy_export.exporter.parity.replay import parse_candidates
+    from policy_export.exporter.reports import print_verdict, record_problems
+
+    opts = VerifyOptions(tolerances=_tolerances(args), progress=args.progress, run_timeout=args.run_timeout,
+                         reference=args.reference, reference_names=args.reference_names,
+                         state_pairs=args.state_pairs, candidates=parse_candidates(args.candidate),
+                         expect_manifest_sha256=args.expect_manifest_sha256, server=args.server,
+                         observations=args.observations, localize=args.localize, samples=args.samples)
+    check_reference_options(args.out, opts)
+    if _signature_request(args) is not None:
+        from policy_export.errors import InputError
+
+        raise InputError("--public-key checks an export's signature; a model file checked against --reference has none")
+    _check_report_paths(args)
+    from policy_export.exporter.options import replace
+
+    from policy_export.exporter.devices import plan_ort_devices
+
+    result = verify_reference(args.out, replace(opts, device=plan_ort_devices(args.device, args.allow_tf32)))
+    args.progress.close()
+    _emit_reports(args, result.parity, "verify", [], extra={"path": str(result.path), "plan": result.notes})
+    print_verdict(console, result.parity, f"verify {args.out}: against {result.parity.reference} "
+                  f"({result.parity.samples} rows; ONNX Runtime "
+                  f"{', '.join(result.parity.devices.get('onnxruntime_providers_used', []))})", args.verbose)
+    for note in result.notes:
+        print_note(console, "plan", note)
+    for problem in [f"{k}: {v}" for k, v in result.parity.errors.items()] + record_problems(result.parity):
+        console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True, highlight=False)
+    if not args.verbose:
+        _full_table_hint(console, args.report_json)
+    if not result.passed:
+        print(f"{PROG}: verify failed: {len(result.parity.failures()) + len(result.parity.errors)} problem(s)",
+              file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    console.print(f"verified [bold]{escape(args.out)}[/bold]: every recorded output matches")
     return EXIT_OK
 
 

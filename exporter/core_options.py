@@ -16,7 +16,7 @@ No TensorFlow: the command line's ``--help`` imports it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from policy_export.errors import InputError
@@ -190,6 +190,45 @@ BATCH_SIZE = Option("batch_size", "rows per runtime call during parity", D.DEFAU
                     rule=_counted(1), cli=False, league=True)
 STEPPED_STEPS = Option("stepped_steps", "consecutive steps of stepped parity (recurrent policies)", D.DEFAULT_STEPS,
                        type=int, rule=_counted(0, MAX_SAMPLES), cli=False, league=True)
+def _reference(value: Any, option: Option) -> Any:
+    from policy_export.exporter.recorded.reference import check_reference
+
+    return None if value is None else str(check_reference(value))
+
+
+def _pairs(value: Any, option: Option) -> dict[str, str]:
+    """``NAME=NAME`` items (or a mapping) as a mapping, each name given once."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for item in value:
+            left, sep, right = str(item).partition("=")
+            if not sep or not left or not right:
+                raise InputError(f"{option.flag} {str(item)[:80]!r}: expected {option.metavar}")
+            items.append((left, right))
+    else:
+        raise InputError(f"{option.name} ({option.flag}) must be a list of {option.metavar} or a mapping")
+    out: dict[str, str] = {}
+    for left, right in items:
+        if not isinstance(left, str) or not isinstance(right, str) or left in out:
+            raise InputError(f"{option.flag} {str(left)[:80]!r}: named twice, or not a name")
+        out[left] = right
+    return out
+
+
+REFERENCE = (
+    Option("reference", "a recording of what the training framework computed (an .npz of arrays named as the ONNX "
+           "graph's inputs and outputs, one row per step; episode_ids for a recurrent policy), to check "
+           "MODEL.onnx against", None, metavar="FILE", rule=_reference, path=True),
+    Option("reference_names", "a recorded array's name in the graph, where they differ; repeatable", (),
+           kind="list", metavar="RECORDED=GRAPH", rule=_optional(_pairs), flag_name="--reference-name", api_type=(list, dict)),
+    Option("state_pairs", "a recurrent graph's state: the input fed back from this output (default: the k-th input "
+           "the recording does not hold from the k-th output it does not hold); repeatable", (), kind="list",
+           metavar="IN=OUT", rule=_optional(_pairs), flag_name="--state-pair", api_type=(list, dict)),
+)
+
+
 def _observations(value: Any, option: Option) -> Any:
     from policy_export.exporter.recorded import check_paths
 
@@ -283,7 +322,7 @@ VERIFY = (
            path=True),
     Option("batch_size", "rows per runtime call during parity", D.DEFAULT_BATCH, type=int, rule=_counted(1),
            cli=False),
-    TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE, *SIGNATURE_CHECK)
+    *REFERENCE, TOLERANCES, *PARITY, RUN_TIMEOUT, QUIET, VERBOSE, *SIGNATURE_CHECK)
 
 SERVE = (
     Option("port", f"HTTP port (default {D.SERVE_HTTP_PORT})", D.SERVE_HTTP_PORT, type=int, metavar="N"),

@@ -111,3 +111,21 @@ def plan_devices(requested: "str | DevicePlan" = "auto", allow_tf32: bool = Fals
         )
     plan.apply_tf()
     return plan
+
+
+def plan_ort_devices(requested: str = "auto", allow_tf32: bool = False) -> DevicePlan:
+    """A :class:`DevicePlan` for ONNX Runtime alone (a model file checked against a recording):
+    its CUDA provider where ``auto`` finds one or ``gpu`` asks for it; TensorFlow is not loaded.
+
+    Raises:
+        DeviceError: an unknown choice, or ``gpu`` where ONNX Runtime has no CUDA provider.
+    """
+    import onnxruntime as ort
+
+    if requested not in DEVICE_CHOICES:
+        raise DeviceError(f"unknown device {requested!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    cuda = requested != "cpu" and CUDA_PROVIDER in ort.get_available_providers()
+    if requested == "gpu" and not cuda:
+        raise DeviceError("device 'gpu' requested but no GPU is visible to ONNX Runtime (CUDAExecutionProvider)")
+    return DevicePlan(requested, "", (CUDA_PROVIDER, CPU_PROVIDER) if cuda else (CPU_PROVIDER,), allow_tf32)
+

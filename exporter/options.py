@@ -164,6 +164,9 @@ class VerifyOptions(_Checked):
     run_timeout: float | None = None
     server: str | None = None  # "triton": also serve the export and check it through the server's clients
     observations: Sequence[str | Path] | None = None  # recorded observations, checked against the SavedModel
+    reference: str | Path | None = None  # a model file (not an export) checked against this recording
+    reference_names: Mapping[str, str] | None = None  # recorded name -> the graph's
+    state_pairs: Mapping[str, str] | None = None  # a recurrent graph's state input -> the output fed back
 
     RULES = declared.rules(declared.VERIFY, __annotations__)
 

@@ -33,6 +33,7 @@ _EXPORTS = {
     "policy_export.exporter.export": ("export_policy", "ExportResult"),
     "policy_export.exporter.pipeline": ("export_source",),
     "policy_export.exporter.verify": ("verify_export", "VerifyResult"),
+    "policy_export.exporter.foreign": ("verify_reference",),
     "policy_export.exporter.options": ("ExportOptions", "VerifyOptions", "ALL_FORMATS"),
     "policy_export.exporter.convert": ("export_spec", "convert_saved_model", "convert_checkpoint",
                                        "convert_checkpoint_policies"),

@@ -1,6 +1,6 @@
 """The one door for an ONNX file this package did not write (exporter/formats/onnx/trust.py):
 hostile external data, links and sizes, tried on every route that opens such a file (``inspect``,
-``verify --candidate``), with a FIFO outside the model's folder as the tripwire: a route that
+``verify --candidate``, ``verify MODEL.onnx --reference``), with a FIFO outside the model's folder as the tripwire: a route that
 opened it would block (and the test time out) instead of answering at once."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -84,28 +85,31 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("route", ["inspect", "verify --candidate"])
+@pytest.mark.parametrize("route", ["inspect", "verify --candidate", "verify --reference"])
 def test_hostile_external_data_is_refused_on_every_route_with_nothing_outside_opened(
         external, tmp_path, case, route):
     change, fragment = CASES[case]
     _tripwire(tmp_path)
     (tmp_path / "keep.data").write_bytes(os.urandom(512 << 10))
     model = _hostile(external, tmp_path / "m", change)
-    before = snapshot(tmp_path, skip=("outside.data",))
+    before = snapshot(tmp_path, skip=("outside.data", "ref.npz"))
     start = time.monotonic()
     if route == "inspect":
         done = cli("inspect", str(model))
+    elif route == "verify --reference":
+        np.savez(tmp_path / "ref.npz", observations=np.zeros((2, 1), np.float32))
+        done = cli("verify", str(model), "--reference", str(tmp_path / "ref.npz"))
     else:
         done = cli("verify", str(external), "--candidate", f"onnx={model}", "--samples", "8")
     elapsed = time.monotonic() - start
-    if route == "inspect":
+    if route != "verify --candidate":
         one_line_error(done, 2, fragment)
     else:  # verify names the candidate in its report and fails it
         assert done.returncode in (1, 2), done.stderr[-2000:]
         assert fragment in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
         assert "Traceback" not in done.stderr
     assert elapsed < 60
-    assert snapshot(tmp_path, skip=("outside.data",)) == before
+    assert snapshot(tmp_path, skip=("outside.data", "ref.npz")) == before
 
 
 def test_a_fifo_as_the_model_does_not_hang(tmp_path):

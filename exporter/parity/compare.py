@@ -110,9 +110,12 @@ class OutputParity:
     p99_abs_err: float = 0.0  # the 99th percentile of the element-wise absolute error
     non_finite: int = 0  # NaN and infinite values, counted over the output and its reference
     problem: str = ""  # why the output could not be compared value by value (dtype, shape, NaN...)
+    first_divergence: str = ""  # a recording's replay: the first row out of tolerance (its episode and step)
 
     def describe(self) -> str:
         step = f" (largest at step {self.worst_step})" if self.worst_step is not None else ""
+        if self.first_divergence:
+            step += f"; first diverging at {self.first_divergence}"
         if self.problem:
             return f"{self.format}/{self.key}: {self.problem}"
         if self.exact:
@@ -152,11 +155,18 @@ class ParityReport:
     def to_json(self) -> dict[str, Any]:
         return {"reference": self.reference, "samples": self.samples, "seed": self.seed,
                 "devices": self.devices, "passed": self.passed, "errors": dict(self.errors),
-                "records": [{**asdict(r), "shape": list(r.shape)} for r in self.records],
+                "records": [_record_json(r) for r in self.records],
                 "exploration": [c.to_json() for c in self.exploration],
                 "behaviour": [c.to_json() for c in self.behaviour],
                 "localization": list(self.localization), "recorded": self.recorded,
                 "on_recorded": recorded_summary(self), "seconds": {k: round(v, 6) for k, v in self.seconds.items()}}
+
+
+def _record_json(record: OutputParity) -> dict[str, Any]:
+    out = {**asdict(record), "shape": list(record.shape)}
+    if not out["first_divergence"]:
+        del out["first_divergence"]  # only a recording's replay names one
+    return out
 
 
 RECORDED = " (recorded)"
