@@ -29,7 +29,8 @@ from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
 from policy_export.exporter.options import ExportOptions, check_tolerance_keys, serving_name
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
-from policy_export.exporter.parity import reference, replay
+from policy_export.exporter.parity import replay
+from policy_export.exporter.parity.references.session import session_plan
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32_tolerances
 from policy_export.exporter.parity.exploration import summarize as summarize_exploration
 from policy_export.exporter.parity.plan import ParityPlan, write_plan
@@ -161,11 +162,10 @@ class _Export:
         with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite, checked=True) as stage:
             records = self._write_formats(stage)
             start = time.perf_counter()
-            plan, explore = reference.session_plan(self.policy, self.signature.contract, self.opts, self.progress,
-                                                   self.recorded)
+            plan = session_plan(self.policy, self.signature.contract, self.opts, self.progress, self.recorded)
             report = ParityReport("tf_session", self.opts.samples, self.opts.seed, self.device.to_json())
             info = {k: r.details for k, r in records.items()}
-            checks = replay.Replay(plan, self.signature.contract, self.tolerances, self.opts.batch_size, explore,
+            checks = replay.Replay(plan, self.signature.contract, self.tolerances, self.opts.batch_size,
                                    info, self.progress, action_space=self.policy.action_space,
                                    behaviour=self.thresholds)
             view = {"tensor_names": self.signature.tensor_names(), "contract": self.signature.contract.to_json(),

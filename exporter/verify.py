@@ -144,8 +144,8 @@ class _Verify:
 
         action_space = space_from_json(self.doc["spaces"]["action"], "$.spaces.action", str(self.out / manifest.MANIFEST))
         stored = load_plan(self.out, self.doc, check, action_space, self.contract, self.opts.batch_size)
-        checks = replay.Replay(stored, self.contract, self.tolerances, self.opts.batch_size, stored.exploration,
-                               self.doc["formats"], action_space=action_space)
+        checks = replay.Replay(stored, self.contract, self.tolerances, self.opts.batch_size, self.doc["formats"],
+                               action_space=action_space)
         checks.behaviour, checks.progress = self.thresholds, self.progress
         return checks
 

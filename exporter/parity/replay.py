@@ -1,9 +1,9 @@
 """Run formats, or candidate model files, against a parity plan and record every comparison.
 
 ``export`` and ``verify`` share this: each format (or candidate) is opened once through its plugin
-(:mod:`exporter.formats`), runs the golden inputs, the exploration probes and the stepped
-sequences of the :class:`~exporter.parity.plan.ParityPlan` as its capabilities allow, is compared with
-the session's stored outputs, and is closed. A candidate is a model file transformed downstream of
+(:mod:`exporter.formats`), replays each group of the :class:`~exporter.parity.plan.ParityPlan`
+(:mod:`exporter.parity.groups`: golden, recorded, exploration, stepped, reference) as its
+capabilities allow, is compared with the reference's stored outputs, and is closed. A candidate is a model file transformed downstream of
 an export (an optimised ``model.onnx``, say); it is checked like the format it stands for, opened
 with the same checks (``onnx.checker`` before ONNX Runtime, the SavedModel op checks of
 :mod:`exporter.trust`), without touching the export.
@@ -25,25 +25,24 @@ from policy_export.exporter.formats import Format
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, compare, run_batched, sample_inputs
 from policy_export.exporter.parity.plan import ParityPlan
 from policy_export.exporter.progress import SILENT, Counted, Progress, Task
-from policy_export.errors import ExportError, InputError, PolicyExportError
+from policy_export.errors import InputError, PolicyExportError
 from policy_export.signatures.contract import Contract
 
 
 
 @dataclass
 class Replay:
-    """What each format is checked against: the plan, the contract, the tolerances.
+    """What each format is checked against: the plan (its groups), the contract, the tolerances.
 
-    ``explore`` runs the exploration part: the plan's :class:`~exporter.parity.plan.ExplorationPlan`, or
-    at export an object that also scores each format's samples in the session. ``progress`` is
-    told each format's check as a stage (``parity <format>``), with a bar over the rows it runs.
+    ``progress`` is told each format's check as a stage (``parity <format>``), with a bar over the
+    rows it runs. ``action_space`` and ``behaviour`` (lossy format -> behaviour.Thresholds) are what
+    a lossy format's actions are judged by.
     """
 
     plan: ParityPlan
     contract: Contract
     tolerances: Tolerances
     batch_size: int
-    explore: Any = None
     formats_info: Mapping[str, Any] = field(default_factory=dict)
     progress: Progress = SILENT
     action_space: Any = None  # lossy formats: what their actions are judged by
@@ -65,19 +64,7 @@ class Replay:
         """The rows :meth:`check_runner` runs through ``fmt`` (None for formats checked otherwise)."""
         if not fmt.capabilities.signature:
             return None
-        n = len(next(iter(self.plan.golden_inputs.values()))) if self.plan.golden_inputs else 0
-        explore = getattr(self.explore, "plan", self.explore)
-        if explore is not None and fmt.capabilities.explores:
-            n += explore.observations * explore.draws_per_observation
-        if self.plan.stepped is not None and fmt.capabilities.steps_state:
-            first = next(iter(self.plan.stepped.inputs.values()))
-            n += first.shape[0] * first.shape[1]
-        if self.plan.recorded is not None:
-            n += self.plan.recorded.rows
-            stepped = self.plan.recorded.stepped
-            if stepped is not None and fmt.capabilities.steps_state:
-                n += stepped.steps * len(stepped.lengths)
-        return n
+        return sum(group.rows(fmt) for group in self.plan.replayed(fmt.capabilities.lossy))
 
     def counted(self, runner):
         """``runner``, advancing the current stage's bar by the rows of each call."""
@@ -96,77 +83,16 @@ class Replay:
         report.records.extend(compare(label, reference, got, self.tolerances))
 
     def check_runner(self, label: str, fmt: Format, runner, report: ParityReport) -> None:
-        """Golden outputs, exploration (formats that sample) and stepped parity (formats that
-        carry state) for one runner."""
-        keys = self.output_keys(fmt)
+        """Every group of the plan on one runner, in the order the format replays them
+        (:func:`exporter.parity.groups.replay_order`)."""
         runner = self.counted(runner)
-        got = run_batched(runner, self.plan.golden_inputs, self.batch_size)
-        if fmt.capabilities.lossy:
-            self._check_behaviour(label, fmt, runner, got, report, keys)
-            self._check_recorded(label, fmt, runner, report, keys)
-            return
-        report.records.extend(compare(label, self.plan.golden_outputs, got, self.tolerances, keys, self.contract))
-        self._check_recorded(label, fmt, runner, report, keys)
-        if self.explore is not None and fmt.explores(self.formats_info.get(fmt.name)):
-            self.explore.check(label, runner, self.tolerances, report)
-        if self.plan.stepped is not None and fmt.capabilities.steps_state:
-            self.plan.stepped.check(label, runner, self.tolerances, report, keys)
-
-
-    def _check_recorded(self, label: str, fmt: Format, runner, report: ParityReport, keys) -> None:
-        """The user's recorded observations, as a group of their own (``<format> (recorded)``)."""
-        recorded = self.plan.recorded
-        if recorded is None:
-            return
-        got = run_batched(runner, recorded.inputs, self.batch_size)
-        if fmt.capabilities.lossy:
-            from policy_export.exporter.parity.behaviour import compare_behaviour
-
-            report.behaviour.extend(compare_behaviour(f"{label} (recorded)", recorded.outputs, got, keys,
-                                                      self.action_space, self.thresholds(fmt)))
-            if recorded.stepped is not None and fmt.capabilities.steps_state:
-                self._check_recorded_behaviour(label, runner, report, keys, self.thresholds(fmt))
-            return
-        report.records.extend(compare(f"{label} (recorded)", recorded.outputs, got, self.tolerances, keys,
-                                      self.contract))
-        if recorded.stepped is not None and fmt.capabilities.steps_state:
-            recorded.stepped.check(label, runner, self.tolerances, report, keys)
-
-    def _check_recorded_behaviour(self, label: str, runner, report: ParityReport, keys, thresholds) -> None:
-        """A lossy format over the recorded episodes, stepped with its own state: the steps that
-        are the episodes' own, as rows."""
-        from policy_export.exporter.parity.behaviour import compare_behaviour
-        from policy_export.exporter.parity.stepped import run_stepped, valid_steps
-
-        stepped = self.plan.recorded.stepped
-        got = run_stepped(runner, stepped.inputs, stepped.initial_state)
-        mask = valid_steps(stepped.lengths, stepped.steps)
-        rows = {k: np.asarray(v)[mask] for k, v in stepped.serving.items()}
-        report.behaviour.extend(compare_behaviour(f"{label} ({stepped.label})", rows,
-                                                  {k: np.asarray(v)[mask] for k, v in got.items()}, keys,
-                                                  self.action_space, thresholds))
+        for group in self.plan.replayed(fmt.capabilities.lossy):
+            group.check(label, fmt, runner, self, report)
 
     def thresholds(self, fmt: Format):
         from policy_export.exporter.parity.behaviour import Thresholds
 
         return self.behaviour.get(fmt.name) or Thresholds()
-
-    def _check_behaviour(self, label: str, fmt: Format, runner, got, report: ParityReport, keys) -> None:
-        """Lossy formats: behavioural records on the golden inputs (at the plan's batching) and,
-        for recurrent policies, over the stepped sequences (the format carrying its own state)."""
-        from policy_export.exporter.parity.behaviour import compare_behaviour
-        from policy_export.exporter.parity.stepped import run_stepped
-
-        if self.action_space is None:
-            raise ExportError(f"{label}: behavioural parity needs the export's action space")
-        thresholds = self.thresholds(fmt)
-        report.behaviour.extend(compare_behaviour(label, self.plan.golden_outputs, got, keys, self.action_space,
-                                                  thresholds))
-        stepped = self.plan.stepped
-        if stepped is not None and fmt.capabilities.steps_state:
-            steps = run_stepped(runner, stepped.inputs, stepped.initial_state)
-            report.behaviour.extend(compare_behaviour(f"{label} (stepped {stepped.steps})", stepped.serving, steps,
-                                                      keys, self.action_space, thresholds, stepped=True))
 
 
 def check_formats(root: Path, names: Sequence[str], manifest: Mapping[str, Any], device, replay: Replay,

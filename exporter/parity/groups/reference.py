@@ -31,6 +31,7 @@ import numpy as np
 
 from policy_export.errors import ExportError, InputError
 from policy_export.exporter.parity.compare import OutputParity, ParityReport, Tolerances, compare_arrays
+from policy_export.exporter.parity.groups.base import ParityGroup, Stored, check_rows, prefixed
 
 EPISODE_IDS = "episode_ids"
 BATCHES = (1, 3, 64)  # rows per call where the model's batch is dynamic
@@ -48,7 +49,7 @@ class Port:
 
 
 @dataclass
-class ReferenceGroup:
+class ReferenceGroup(ParityGroup):
     """The recorded rows of the graph's inputs and outputs, each row's episode, the state pairs."""
 
     inputs: dict[str, np.ndarray]
@@ -59,11 +60,17 @@ class ReferenceGroup:
     replays: list[str] = field(default_factory=list)  # how the last check ran the rows
 
     name = NAME
-    file = "parity/reference.npz"
+    files = ("parity/reference.npz",)
+    order, lossy_order = 4, 3
 
     @property
-    def rows(self) -> int:
+    def recorded_rows(self) -> int:
         return len(next(iter(self.inputs.values())))
+
+    def rows(self, fmt) -> int:
+        if self.state_pairs or not fmt.capabilities.signature:
+            return self.recorded_rows
+        return self.recorded_rows * 2 + min(self.recorded_rows, ROW_BY_ROW)
 
     # ------------------------------------------------------------------ making it
 
@@ -125,17 +132,62 @@ class ReferenceGroup:
             out[f"state_pairs/{i}"] = np.asarray([a, b])
         return out
 
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], stored: Stored, where: str) -> "ReferenceGroup":
+        """Raises:
+            ExportError: the arrays are not a recording of this contract's inputs and outputs."""
+        inputs, outputs = prefixed(arrays, "inputs/"), prefixed(arrays, "outputs/")
+        if not inputs or not outputs:
+            raise ExportError(f"{where}: expected inputs/ and outputs/ arrays")
+        rows = len(next(iter(inputs.values())))
+        check_rows(where, "inputs", inputs, rows)
+        check_rows(where, "outputs", outputs, rows)
+        keys_in, keys_out = set(stored.contract.input_keys), set(stored.contract.output_keys)
+        stray = sorted({*(k for k in inputs if k not in keys_in), *(k for k in outputs if k not in keys_out)})
+        if stray:
+            raise ExportError(f"{where}: {stray} are not the contract's inputs and outputs")
+        pairs = []
+        for i in range(len(prefixed(arrays, "state_pairs/"))):
+            pair = arrays.get(f"state_pairs/{i}")
+            if pair is None or pair.shape != (2,) or pair.dtype.kind != "U":
+                raise ExportError(f"{where}: state_pairs/{i} is not two names")
+            a, b = (str(x) for x in pair)
+            if a not in keys_in or b not in keys_out:
+                raise ExportError(f"{where}: state_pairs/{i} ({a}, {b}) is not an input and an output of the contract")
+            pairs.append((a, b))
+        episodes = arrays.get(EPISODE_IDS)
+        if pairs and (episodes is None or episodes.shape != (rows,) or episodes.dtype.kind not in "iu"):
+            raise ExportError(f"{where}: a recurrent recording needs {EPISODE_IDS} [{rows}]")
+        return cls(inputs, outputs, episodes if pairs else None, pairs,
+                   stored.record if isinstance(stored.record, dict) else {})
+
+    def check(self, label: str, fmt, runner, replay, report) -> None:
+        if fmt.capabilities.lossy:
+            self.replay_behaviour(label, fmt, runner, replay, report)
+            return
+        self.replay_rows(label, runner, replay.tolerances, report)
+
+    def replay_behaviour(self, label: str, fmt, runner, replay, report) -> None:
+        """A lossy format: its actions on the recorded rows against the recording, by the behavioural thresholds."""
+        from policy_export.exporter.parity.behaviour import compare_behaviour
+
+        got = self._stepped(runner, max(BATCHES)) if self.state_pairs else self._rows(runner, _batch(
+            runner, self.inputs) or max(BATCHES), self.recorded_rows)
+        keys = [k for k in replay.output_keys(fmt) if k in self.outputs]
+        report.behaviour.extend(compare_behaviour(f"{label} ({NAME})", self.outputs, got, keys, replay.action_space,
+                                                  replay.thresholds(fmt)))
+
     # ------------------------------------------------------------------ replaying it
 
     def describe(self) -> list[str]:
         replayed = f"; replayed {', '.join(self.replays)}" if self.replays else ""
         if self.episode_ids is None:
-            return [f"reference: {self.rows} recorded rows of {', '.join(self.outputs)}{replayed}"]
+            return [f"reference: {self.recorded_rows} recorded rows of {', '.join(self.outputs)}{replayed}"]
         episodes = len(np.unique(self.episode_ids))
-        return [f"reference: {episodes} recorded episodes ({self.rows} steps) of {', '.join(self.outputs)}, state "
+        return [f"reference: {episodes} recorded episodes ({self.recorded_rows} steps) of {', '.join(self.outputs)}, state "
                 f"{', '.join(f'{a} <- {b}' for a, b in self.state_pairs)} fed back from zeros{replayed}"]
 
-    def check(self, label: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
+    def replay_rows(self, label: str, runner, tolerances: Tolerances, report: ParityReport) -> None:
         """Replay the rows on ``runner`` (see the module's description) and add the records."""
         batch = _batch(runner, self.inputs)
         if self.state_pairs and batch not in (None, 1):
@@ -149,11 +201,11 @@ class ReferenceGroup:
             return
         if batch is not None:
             self.replays = ["row by row" if batch == 1 else f"{batch} rows a call (the model's static batch)"]
-            self._compare(f"{label} ({NAME})", self._rows(runner, batch, self.rows), tolerances, report)
+            self._compare(f"{label} ({NAME})", self._rows(runner, batch, self.recorded_rows), tolerances, report)
             return
-        self.replays = [f"{min(self.rows, ROW_BY_ROW) if s == 1 else self.rows} rows at batch {s}" for s in BATCHES]
+        self.replays = [f"{min(self.recorded_rows, ROW_BY_ROW) if s == 1 else self.recorded_rows} rows at batch {s}" for s in BATCHES]
         for size in BATCHES:
-            count = min(self.rows, ROW_BY_ROW) if size == 1 else self.rows
+            count = min(self.recorded_rows, ROW_BY_ROW) if size == 1 else self.recorded_rows
             self._compare(f"{label} (batch {size})", self._rows(runner, size, count), tolerances, report, count)
 
     def _rows(self, runner, size: int, count: int) -> dict[str, np.ndarray]:
