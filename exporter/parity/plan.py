@@ -43,7 +43,6 @@ from policy_export.exporter.parity.groups import GROUPS, ParityGroup, Stored, by
 from policy_export.exporter.parity.groups.exploration import EXPLORATION, ExplorationGroup
 from policy_export.exporter.parity.groups.golden import GOLDEN_INPUTS, GOLDEN_OUTPUTS, GoldenGroup
 from policy_export.exporter.parity.groups.recorded import RECORDED, RecordedGroup
-from policy_export.exporter.parity.groups.reference import ReferenceGroup
 from policy_export.exporter.parity.groups.stepped import STEPPED, SteppedGroup
 from policy_export.errors import ExportError
 from policy_export.signatures.contract import Contract
@@ -120,14 +119,14 @@ def write_plan(root: Path, plan: ParityPlan) -> None:
 
 
 def manifest_record(plan: ParityPlan) -> dict[str, Any]:
-    """What the manifest says about the plan (``parity.plan``): each group's file, or None (the
-    reference group, which only an export of a policy made elsewhere holds, only when present)."""
+    """What the manifest says about the plan (``parity.plan``): each group's file, or None (a group
+    not ``listed_when_absent`` only when present)."""
     record: dict[str, Any] = {}
     for cls in GROUPS:
         group = plan.groups.get(cls.name)
         if group is not None:
             record[cls.name] = group.manifest_entry()
-        elif cls is not ReferenceGroup:
+        elif cls.listed_when_absent:
             record[cls.name] = None
     return record
 

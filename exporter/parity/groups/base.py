@@ -54,6 +54,7 @@ class ParityGroup:
     files: ClassVar[tuple[str, ...]] = ()  # where an export keeps it, under its root
     order: ClassVar[int] = 100  # when a format replays it (the registry's order)
     lossy_order: ClassVar[int | None] = None  # when a lossy format replays it (None: not on lossy formats)
+    listed_when_absent: ClassVar[bool] = True  # the manifest's parity.plan names it (null) when a plan lacks it
 
     def write(self, root: Path) -> None:
         from policy_export.exporter import manifest

@@ -62,6 +62,7 @@ class ReferenceGroup(ParityGroup):
     name = NAME
     files = ("parity/reference.npz",)
     order, lossy_order = 4, 3
+    listed_when_absent = False  # only an export of a policy made elsewhere holds one
 
     @property
     def recorded_rows(self) -> int:
