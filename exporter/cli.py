@@ -1,7 +1,9 @@
 """The ``policy-export`` command line: parse (:mod:`exporter.cli_args`), dispatch to the command
-(:mod:`exporter.commands`), and turn every error into its exit code and one line on stderr.
+(:mod:`exporter.commands`), and turn every error into its exit code and one message on stderr.
+What a command prints fits the width (:mod:`exporter.screen`: the terminal's, else 80 columns unless
+``COLUMNS`` says otherwise) and names every path as it was typed.
 
-Exit codes: 0 success; 1 a check failed (parity, hashes); 2 bad input or usage (one line on
+Exit codes: 0 success; 1 a check failed (parity, hashes); 2 bad input or usage (one message on
 stderr, no traceback); 3 an unexpected internal error, a bug in the package (``--debug`` shows the
 traceback); 130 interrupted (SIGINT, SIGTERM, SIGHUP).
 
@@ -37,9 +39,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+def error_line(text: str) -> None:
+    """One message on stderr, wrapped at its width (:func:`exporter.screen.error_line`)."""
+    from policy_export.exporter.screen import error_line as say
+
+    say(text)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if not [a for a in given if a != "--debug"]:  # bare: the help, which lists the commands
+        parser.print_help()
+        return EXIT_OK
+    args = parser.parse_args(given)
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
     with signals_as_interrupts() as signals:  # SIGTERM and SIGHUP clean up like Ctrl-C
@@ -54,8 +67,7 @@ def _main(argv: Sequence[str] | None) -> int:
             import signal
 
             if signals.complete:
-                print(f"{PROG}: interrupted by {signal.Signals(late).name} after the export was complete",
-                      file=sys.stderr)
+                error_line(f"{PROG}: interrupted by {signal.Signals(late).name} after the export was complete")
             else:  # the signal was swallowed where Python ignores exceptions; the command did not stop
                 code = _interrupted(late)
         return code
@@ -154,7 +166,7 @@ def _interrupted(signum: int | None) -> int:
     import signal
 
     how = signal.Signals(signum).name if signum is not None else "SIGINT"
-    print(f"{PROG}: interrupted by {how}; no partial export was left behind", file=sys.stderr)
+    error_line(f"{PROG}: interrupted by {how}; no partial export was left behind")
     return EXIT_INTERRUPTED
 
 
@@ -171,17 +183,18 @@ def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
 
 
 def _run(args) -> int:
-    """Run the command of ``args``; every error becomes its exit code and one line on stderr."""
-    from rich.console import Console
-
-    from policy_export.exporter.progress import SILENT, for_terminal
+    """Run the command of ``args``; every error becomes its exit code and one message on stderr."""
+    from policy_export.exporter import screen
+    from policy_export.exporter.progress import for_terminal
     from policy_export.exporter.staging import Interrupted, signals_as_interrupts
 
-    width = None if sys.stdout.isatty() else 200  # CI logs: no wrapping or clipping of the parity table
-    out, err = Console(width=width), Console(stderr=True)
-    # progress of the long commands goes to stderr; stdout (tables, JSON) is unchanged by it
-    args.progress = (for_terminal(args.quiet, console=err) if args.command in ("export", "verify", "convert")
-                     else SILENT)
+    screen.paths_as_typed(screen.typed_arguments(args))  # every path printed as the user typed it
+    out, err = screen.console_for(sys.stdout), screen.console_for(sys.stderr, stderr=True)
+    # progress goes to stderr; stdout (tables, JSON) is unchanged by it. The long commands report
+    # every stage; the others show on a terminal only what their seconds go to (TensorFlow loading)
+    quiet = bool(getattr(args, "quiet", False))
+    args.progress = (for_terminal(quiet) if args.command in ("export", "verify", "convert")
+                     else for_terminal(quiet, plain=False, transient=True))
     with signals_as_interrupts() as signals:  # the session main() holds
         try:
             return getattr(commands, f"cmd_{args.command.replace('-', '_')}")(args, out)
@@ -214,16 +227,16 @@ def _run(args) -> int:
                     print_verdict(out, report, "parity", verbose)
                     if not verbose:
                         where = getattr(args, "report_json", None) or "--report-json FILE"
-                        out.print(f"full table: --verbose, or {one_line(where)}", soft_wrap=True, highlight=False,
-                                  markup=False)
-                print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+                        screen.say(out, f"full table: --verbose, or {where}")
+                error_line(f"{PROG}: error: {one_line(e)}")
                 return e.exit_code
             hint = "" if args.debug else "; run with --debug for the traceback"
-            print(f"{PROG}: internal error (a bug in {PROG}, please report it): {type(e).__name__}: {one_line(e)}{hint}",
-                  file=sys.stderr)
+            error_line(f"{PROG}: internal error (a bug in {PROG}, please report it): {type(e).__name__}: "
+                       f"{one_line(e)}{hint}")
             return EXIT_INTERNAL
         finally:
             args.progress.close()
+            screen.paths_as_typed(())  # the next command (in this process) says which paths it was given
 
 
 

@@ -16,26 +16,57 @@ def one_line(text: object) -> str:
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help, its section headings wrapped at the width as its text is (a heading
+    names the sources that own a group of options, and can be long)."""
+
+    def start_section(self, heading):
+        import textwrap
+
+        room = max(self._width - self._current_indent, 20)
+        lines = textwrap.wrap(heading or "", room - 1, break_long_words=False, break_on_hyphens=False)
+        super().start_section("\n  ".join(lines) if lines else heading)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage error is one line (what is wrong, and where the usage is),
+    as every other error of the command line, instead of the whole usage first; its help fits
+    the width (:class:`_Formatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        import sys
+
+        from policy_export.exporter.screen import width_of, wrap
+
+        text = f"{self.prog}: error: {one_line(message)} (usage: {self.prog} --help)"
+        for line in wrap(text, width_of(sys.stderr), rest="  "):
+            print(line, file=sys.stderr)
+        self.exit(EXIT_BAD_INPUT)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
+    parser = Parser(prog=PROG, description="Export RL policies built as TF graphs and prove parity.")
     parser.add_argument("--debug", action="store_true", help="show library logs and tracebacks")
     parser.add_argument("-V", "--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show library logs and tracebacks")
-    _export_parser(sub, common, "export", "export a policy (a spec directory, an RLlib checkpoint, a SavedModel) to "
-                   "every format and check parity")
+    _export_parser(sub, common, "export", "export a policy (any SOURCE below) to every format and check parity")
     _verify_parser(sub, common)
     _serve_parser(sub, common)
     _inspect_parser(sub, common)
     _diff_parser(sub, common)
-    _export_parser(sub, common, "convert", "the same as export (kept for RLlib checkpoints and SavedModels): "
-                   "a full export with clean keys")
+    _export_parser(sub, common, "convert", "the same as export (kept for RLlib checkpoints and SavedModels)")
     _rollout_parser(sub, common)
     _many_parsers(sub, common)
     _example_parser(sub, common)
     _sign_parser(sub, common)
+    _docs_parser(sub, common)
     parser.command_parsers = dict(sub.choices)  # name -> its parser (synopsis() reads them)
     return parser
 
@@ -55,19 +86,39 @@ def _many_parsers(sub, common) -> None:
     from policy_export.exporter import core_options as core
 
     em = sub.add_parser("export-many", parents=[common],
-                        help="export many policies (spec directories, SavedModels, RLlib checkpoints, league files), "
-                             "each in its own process, into ROOT/<name>/")
-    em.add_argument("sources", nargs="+", metavar="SOURCE")
+                        help="export many policies, each in its own process, into ROOT/<name>/")
+    em.add_argument("sources", nargs="+", metavar="SOURCE",
+                    help=f"{either(source_kinds())}; or a league file (JSON) naming them")
     core.add(em, core.EXPORT_MANY)
     vm = sub.add_parser("verify-many", parents=[common], help="verify every export under ROOT, each in its own process")
     vm.add_argument("root", metavar="ROOT")
     core.add(vm, core.VERIFY_MANY)
 
 
-SOURCE_HELP = ("a spec directory (policy.json, or the file itself), an RLlib checkpoint directory (holding "
-               "rllib_checkpoint.json; the old API stack's or the new one's, ray 2.1-2.60; read without ray or "
-               "torch and without running its pickles), an RLModule directory, a SavedModel directory, or an "
-               "export of this package (exported again)")
+def source_kinds(shows_itself: bool = False) -> list[str]:
+    """What each registered source is (its ``description``), for help texts; with ``shows_itself``
+    only the sources ``inspect`` describes."""
+    from policy_export.exporter import sources
+
+    return [s.description for s in sources.all_sources() if s.shows_itself or not shows_itself]
+
+
+def readable_models() -> list[str]:
+    """What ``inspect`` and ``diff`` read of each format outside an export, for help texts."""
+    from policy_export.exporter import formats
+
+    found = [f for f in formats.all_formats() if f.inspect_order is not None]
+    return [f.inspect_description for f in sorted(found, key=lambda f: f.inspect_order)]
+
+
+def either(kinds: list[str]) -> str:
+    """``a, b or c``."""
+    return kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+
+
+def _source_help() -> str:
+    return f"{either(source_kinds())} (read without running anything it holds); or an ONNX model another " \
+           "framework exported, with --reference"
 
 
 def _export_parser(sub, common, name: str, help_text: str) -> None:
@@ -76,7 +127,7 @@ def _export_parser(sub, common, name: str, help_text: str) -> None:
     from policy_export.exporter import core_options as core
 
     ex = sub.add_parser(name, parents=[common], help=help_text)
-    ex.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
+    ex.add_argument("source", metavar="SOURCE", help=_source_help())
     ex.add_argument("--out", required=True, metavar="OUT", help="export directory to write")
     core.add(ex, core.EXPORT)
     _declared_groups(ex, source_option_groups())
@@ -138,10 +189,10 @@ def _inspect_parser(sub, common) -> None:
     from policy_export.exporter import core_options as core
 
     ins = sub.add_parser("inspect", parents=[common],
-                         help="list the inputs and outputs of an export, a .onnx file or a SavedModel, or the "
-                              "policies of an RLlib checkpoint")
+                         help="list the inputs and outputs of an export or a model, or what a source holds")
     ins.add_argument("path", metavar="PATH",
-                     help="export directory, model.onnx, SavedModel directory, or RLlib checkpoint directory")
+                     help=f"{either(['an export directory', *readable_models()])}: its inputs and outputs; or "
+                          f"{either(source_kinds(shows_itself=True))}: what it holds")
     core.add(ins, core.INSPECT)
 
 
@@ -149,9 +200,11 @@ def _diff_parser(sub, common) -> None:
     from policy_export.exporter import core_options as core
 
     di = sub.add_parser("diff", parents=[common],
-                        help="compare the contracts of two exports: exit 1 on a breaking change")
-    di.add_argument("old", metavar="OLD", help="the export (or .onnx / SavedModel) deployed now")
-    di.add_argument("new", metavar="NEW", help="the candidate")
+                        help="compare the contracts of two exports (or models): exit 1 on a breaking change; says "
+                             "whether their weights differ")
+    di.add_argument("old", metavar="OLD",
+                    help=f"what is deployed now: {either(['an export directory', *readable_models()])}")
+    di.add_argument("new", metavar="NEW", help="the candidate (any of the same)")
     core.add(di, core.DIFF)
 
 
@@ -195,6 +248,17 @@ def _example_parser(sub, common) -> None:
     ex = sub.add_parser("example", parents=[common],
                         help="write the bundled CartPole spec (policy.json and its weights) to DIR, to export it")
     ex.add_argument("dir", metavar="DIR", help="directory to write (new, or empty)")
+
+
+def _docs_parser(sub, common) -> None:
+    from policy_export.exporter import core_options as core
+
+    do = sub.add_parser("docs", parents=[common],
+                        help="print a page of the documentation or an example (installed from a wheel too); "
+                             "without TOPIC, the list of them")
+    do.add_argument("topic", metavar="TOPIC", nargs="?",
+                    help="a page (README, ci-gate, api, install, ...) or an example (ci_gate.sh, python_api.py)")
+    core.add(do, core.DOCS)
 
 
 def _sign_parser(sub, common) -> None:

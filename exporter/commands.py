@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 from rich.markup import escape
 
 from policy_export.exporter.cli_args import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PARTIAL, PROG, one_line
+from policy_export.exporter.screen import error_line
 
 
 def _tolerances(args, base=None):
@@ -68,6 +68,18 @@ def _check_report_paths(args, export_dir: str | None = None) -> None:
             raise InputError(f"{what} {target}: is inside the export {export_dir}; write reports elsewhere")
 
 
+def _observations_fit(observations, doc: dict) -> None:
+    """``--observations`` files checked against the observation space the manifest records (their
+    headers only, before TensorFlow loads); nothing to check without either."""
+    spaces = doc.get("spaces") if isinstance(doc, dict) else None
+    if not observations or not isinstance(spaces, dict) or "observation" not in spaces:
+        return
+    from policy_export.exporter.recorded import check_fit
+    from policy_export.policy.spaces import space_from_json
+
+    check_fit(observations, space_from_json(spaces["observation"], "$.spaces.observation", "manifest.json"))
+
+
 def _emit_reports(args, report, suite: str, file_problems=(), extra: dict | None = None) -> None:
     try:
         _write_reports(args, report, suite, file_problems, extra)
@@ -89,7 +101,18 @@ def _write_reports(args, report, suite: str, file_problems=(), extra: dict | Non
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as f:
-            f.write(reports.markdown_summary(report, suite, file_problems, signature))
+            f.write(reports.markdown_summary(report, _summary_title(args, suite), file_problems, signature))
+
+
+def _summary_title(args, suite: str, path: str | None = None) -> str:
+    """The step summary's heading: the command and what it checked, as typed (``export
+    fixtures/cartpole_mlp -> out/cartpole``, ``verify out/cartpole``)."""
+    from policy_export.exporter.screen import one_line as shown
+
+    out = path or getattr(args, "out", None) or ""
+    source = getattr(args, "source", None)
+    command = getattr(args, "command", suite)
+    return shown(f"{command} {source} -> {out}" if source else f"{command} {out}")
 
 
 def _device_plan(args):
@@ -100,10 +123,17 @@ def _device_plan(args):
 
 
 def _heavy_imports(args) -> None:
-    """Import TensorFlow and friends quietly; called after the cheap input checks."""
+    """Import TensorFlow and friends quietly; called after the cheap input checks. The import is a
+    progress stage of its own (``load TensorFlow``), so a terminal says at once what the seconds
+    go to."""
+    from policy_export.exporter.progress import SILENT
     from policy_export.exporter.quiet import quiet_libraries
 
-    quiet_libraries(getattr(args, "debug", False))
+    if "tensorflow" in sys.modules:  # loaded already (a command run in-process after another)
+        quiet_libraries(getattr(args, "debug", False))
+        return
+    with (getattr(args, "progress", None) or SILENT).stage("load TensorFlow"):
+        quiet_libraries(getattr(args, "debug", False))
 
 
 def _formats_option(text: str | None) -> list[str] | None:
@@ -117,6 +147,8 @@ def _export_options(args):
 
     given = args.atol is not None or args.rtol is not None or args.tolerance or args.allow_non_finite
     return ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
+                         reference=args.reference, reference_names=args.reference_names,
+                         reference_state_pairs=args.reference_state_pairs, contract_file=args.contract_file,
                          seed=args.seed, tolerances=_tolerances(args) if given else None, overwrite=args.overwrite,
                          explore_samples=args.explore_samples, inputs_as_nchw=args.inputs_as_nchw,
                          external_data_threshold=args.external_data_threshold, progress=args.progress,
@@ -136,13 +168,17 @@ def cmd_export(args, console) -> int:
     """``export SOURCE --out OUT`` (and ``convert``, its alias) for every source: read and checked
     before TensorFlow loads, then each chosen policy exported with parity."""
     from policy_export.exporter import pipeline
+    from policy_export.exporter.foreign import is_model_file
 
     start = time.perf_counter()
     opts = _export_options(args)  # every cheap check first: bad input fails before TensorFlow loads
     _check_report_paths(args, args.out)
     sign_to = _sign_request(args)
+    if is_model_file(args.source):
+        return _export_model_file(args, console, opts, sign_to, start)
     opened = pipeline.open_source(args.source, _source_values(args), what=f"{args.command}'s source")
     plan = pipeline.plan_source(opened, args.out, opts)
+    _formats_the_source_makes(opened, opts, named=args.formats is not None)
     _heavy_imports(args)
 
     from policy_export.exporter.options import replace
@@ -171,6 +207,59 @@ def cmd_export(args, console) -> int:
 cmd_convert = cmd_export  # the alias: the same command, every option export takes
 
 
+def _formats_the_source_makes(opened, opts, named: bool) -> None:
+    """A format named in ``--formats`` that no policy of the source can have (the Keras base model
+    of a source that loads none) is refused before TensorFlow loads; left to the default, it is
+    skipped as the export skips it."""
+    if not named:
+        return
+    from policy_export.errors import InputError
+    from policy_export.exporter import formats
+
+    source = opened.source
+    for name in opts.formats:
+        if formats.get(name).capabilities.base_model and not source.has_base_model:
+            raise InputError(f"format {name!r} cannot be written for {source.description}: it has no Keras base "
+                             "model; leave it out of --formats")
+
+
+def _export_model_file(args, console, opts, sign_to, start: float) -> int:
+    """``export MODEL.onnx --reference REF.npz --out OUT``: a policy exported elsewhere, made an
+    export without TensorFlow (:mod:`exporter.foreign.export`)."""
+    from policy_export.exporter.devices import plan_ort_devices
+    from policy_export.exporter.foreign.export import ModelFileSource, plan_model_export
+    from policy_export.exporter.options import replace
+
+    source_options = sorted(k for k in _source_values(args))
+    if source_options:
+        from policy_export.errors import InputError
+        from policy_export.exporter import sources
+
+        flag = next(o.flag for s in sources.all_sources() for o in s.options if o.name == source_options[0])
+        raise InputError(f"{flag} applies to a source this package reads; {args.source} is a model file exported "
+                         "elsewhere")
+    opts = replace(opts, device=plan_ort_devices(args.device, args.allow_tf32))
+    job = plan_model_export(args.source, args.out, opts)
+    from policy_export.exporter.watchdog import run_limit
+
+    with _reports_on_failure(args), run_limit(opts.run_timeout):
+        result = job.run()
+    args.progress.close()
+    paths = {None: str(result.path)}
+    try:
+        signed = _sign_exports(args, paths, sign_to)
+    except Exception:
+        _emit_policy_reports(args, {None: result.parity}, paths)
+        raise
+    _emit_policy_reports(args, {None: result.parity}, paths, {pid: entry for pid, (_, entry) in signed.items()})
+    _print_result(console, ModelFileSource(job.recording.path.name), None, result, args.verbose)
+    status = _partial_status(console, result, args)
+    console.print(f"1 export in {time.perf_counter() - start:.1f} s")
+    for pid, (done, _) in signed.items():
+        print_note(console, "signed", f"{paths[pid]} ({done.files} files) with {done.signer}: {done.signature}")
+    return status
+
+
 def _print_result(console, source, pid, result, verbose: bool = False) -> None:
     """One export's verdict (one line per format; ``verbose``: the full table first), then its
     recorded, source and "exported" lines, and where the full table is."""
@@ -179,7 +268,7 @@ def _print_result(console, source, pid, result, verbose: bool = False) -> None:
     devices = result.parity.devices
     where = f" ({devices.get('tf_device')}, {', '.join(devices.get('onnxruntime_providers_used', []))})" \
         if devices.get("tf_device") else ""
-    title = (f"{'' if pid is None else f'policy {pid}: '}parity: {result.parity.samples} samples vs "
+    title = (f"{'' if pid is None else f'policy {pid}: '}parity: {result.parity.samples} {getattr(source, 'counted', 'samples')} vs "
              f"{source.reference}{where}")
     print_verdict(console, result.parity, title, verbose)
     recorded = recorded_line(result.parity, (result.manifest.get("parity") or {}).get("recorded"))
@@ -194,20 +283,19 @@ def _print_result(console, source, pid, result, verbose: bool = False) -> None:
 
 
 def print_note(console, label: str, note: object) -> None:
-    """``label: note``, wrapped at the terminal's width (80 columns in a pipe, whose tables are not
-    clipped) with its continuation lines indented under the note: a line that starts with a space
-    continues the one above. Words are never split (a path stays whole)."""
-    indent = " " * (len(label) + 2)
-    width = max(console.width, 40) if console.is_terminal else 80
-    for line in textwrap.wrap(one_line(note), width, initial_indent=f"{label}: ",
-                              subsequent_indent=indent, break_long_words=False, break_on_hyphens=False):
-        console.print(escape(line), soft_wrap=True, highlight=False)
+    """``label: note``, wrapped at the console's width (80 columns through a pipe) with its
+    continuation lines indented under the note: a line that starts with a space continues the one
+    above. Words are never split (a path stays whole); paths show as the user typed them."""
+    from policy_export.exporter.screen import note as say
+
+    say(console, label, note)
 
 
 def _full_table_hint(console, report: str | Path | None) -> None:
     """Where the full parity table is: ``--verbose``, or the report file (``None``: ``--report-json``)."""
-    where = escape(one_line(str(report))) if report else "--report-json FILE"
-    console.print(f"full table: --verbose, or {where}", soft_wrap=True, highlight=False)
+    from policy_export.exporter.screen import say
+
+    say(console, f"full table: --verbose, or {report if report else '--report-json FILE'}")
 
 
 def recorded_line(report, record) -> str | None:
@@ -263,26 +351,44 @@ def cmd_verify(args, console) -> int:
                          observations=args.observations,
                          **_behaviour_option(args))
     _check_report_paths(args, args.out)
+    _observations_fit(opts.observations, doc)  # a file of another shape: refused before TensorFlow loads
     signature = _signature_request(args)
     candidates = opts.candidates
-    _heavy_imports(args)
+    from policy_export.exporter.parity.plan import golden_planned
+
+    built = golden_planned(doc)  # else a policy exported elsewhere: its recording replayed, no TensorFlow
+    if built:
+        _heavy_imports(args)
+        device = _device_plan(args)
+    else:
+        from policy_export.exporter.devices import plan_ort_devices
+
+        device = plan_ort_devices(args.device, args.allow_tf32)
 
     from policy_export.exporter.options import replace
-    from policy_export.exporter.reports import print_verdict
     from policy_export.exporter.verify import verify_export
 
     from policy_export.exporter.signing import inside_export
 
     inside = inside_export(args.out, signature["signature"]) if signature else None  # OUT/model.sig: not extra
-    result = verify_export(args.out, replace(opts, device=_device_plan(args)), manifest_doc=doc, signature_inside=inside)
+    result = verify_export(args.out, replace(opts, device=device), manifest_doc=doc, signature_inside=inside)
     args.progress.close()
     signed = _check_signature(args, console, signature, result.file_problems)
     _emit_reports(args, result.parity, "verify", result.file_problems,
                   extra={"path": str(result.path), "plan": result.notes, **signed})
+    return _verify_outcome(args, console, result, built, signed, candidates)
+
+
+def _verify_outcome(args, console, result, built: bool, signed: dict, candidates) -> int:
+    """What ``verify`` prints once it has run (the verdict, the plan, each problem, the last line
+    saying what was checked) and its exit code."""
+    from policy_export.exporter.reports import print_verdict
+
     devices = result.parity.devices
-    print_verdict(console, result.parity, f"verify {args.out}: stored parity plan ({result.parity.samples} golden "
-                  f"samples; TF {devices.get('tf_device')}, ONNX Runtime "
-                  f"{', '.join(devices.get('onnxruntime_providers_used', []))})", args.verbose)
+    ort = f"ONNX Runtime {', '.join(devices.get('onnxruntime_providers_used', []))}"
+    what = (f"stored parity plan ({result.parity.samples} golden samples; TF {devices.get('tf_device')}, {ort})"
+            if built else f"the stored recording ({result.parity.samples} rows; {ort})")
+    print_verdict(console, result.parity, f"verify {args.out}: {what}", args.verbose)
     for note in result.notes:
         print_note(console, "plan", note)
     from policy_export.exporter.reports import record_problems
@@ -294,10 +400,11 @@ def cmd_verify(args, console) -> int:
         _full_table_hint(console, args.report_json)
     if not result.passed:
         failed = len(result.parity.failures()) + len(result.file_problems) + len(result.parity.errors)
-        print(f"{PROG}: verify failed: {failed} problem(s)", file=sys.stderr)
+        error_line(f"{PROG}: verify failed: {failed} problem(s)")
         return EXIT_CHECK_FAILED
     what = "every candidate matches its plan" if candidates else "every format matches"
-    console.print(f"verified [bold]{escape(args.out)}[/bold]: files match the manifest, {what}")
+    checked = "the signature matches, " if signed else ""  # verify --public-key: say it was checked
+    console.print(f"verified [bold]{escape(args.out)}[/bold]: {checked}files match the manifest, {what}")
     return EXIT_OK
 
 
@@ -310,7 +417,7 @@ def _verify_model_file(args, console) -> int:
 
     opts = VerifyOptions(tolerances=_tolerances(args), progress=args.progress, run_timeout=args.run_timeout,
                          reference=args.reference, reference_names=args.reference_names,
-                         state_pairs=args.state_pairs, candidates=parse_candidates(args.candidate),
+                         reference_state_pairs=args.reference_state_pairs, candidates=parse_candidates(args.candidate),
                          expect_manifest_sha256=args.expect_manifest_sha256, server=args.server,
                          observations=args.observations, localize=args.localize, samples=args.samples)
     check_reference_options(args.out, opts)
@@ -347,47 +454,45 @@ def cmd_serve(args, console) -> int:
     from policy_export.exporter.compat import require
     from policy_export.exporter.options import check_model_name
 
-    check_model_name(args.model_name)
+    if args.model_name is not None:
+        check_model_name(args.model_name)
     require(("pytriton", "tritonclient"), "serve", "serving with Triton")  # before TensorFlow loads
     _heavy_imports(args)
     from policy_export.exporter.serve.server import TritonServer, serve_forever
 
     server = TritonServer.start(args.out, http_port=args.port, grpc_port=args.grpc_port, host=args.host,
-                                model_name=args.model_name, max_batch_size=args.max_batch_size,
-                                device=args.device)
+                                model_name=args.model_name)
 
     def ready() -> None:
-        for model in server.models:
-            batching = f"batched, up to {model.max_batch_size} rows" if model.batched else "not batched"
-            inputs = ", ".join(f"{w.key}{' (optional)' if w.optional else ''}" for w in model.inputs)
-            console.print(f"model {escape(model.name)} ({batching}): inputs {escape(inputs)}; outputs "
-                          f"{escape(', '.join(w.key for w in model.outputs))}", soft_wrap=True, highlight=False)
-        ends = server.endpoints()
-        console.print(f"HTTP  http://{ends['http']}/v2/models/{escape(server.models[0].name)}/infer", highlight=False)
-        console.print(f"gRPC  {ends['grpc']}", highlight=False)
-        console.print(f"ready: serving {escape(args.out)} through {server.engine.format} (Ctrl-C to stop)",
-                      highlight=False)
+        for line in server.describe():
+            console.print(escape(line), soft_wrap=True, highlight=False)
+        console.print(f"ready: serving {escape(args.out)}'s Triton repository (Ctrl-C to stop)", highlight=False)
 
     serve_forever(server, ready)
     console.print("stopped", highlight=False)
     return EXIT_OK
 
 
-def _contract(path: str, args=None):
-    """Read a contract; TensorFlow is imported (quietly) only for the formats that need it."""
-    from policy_export.exporter.inspection import contract_of, find_model
+def _contract_imports(path: str, args=None) -> None:
+    """TensorFlow imported (quietly) before reading ``path``'s contract, where its format needs it."""
+    from policy_export.exporter.inspection import find_model
 
     hit = find_model(Path(path))
     if hit is not None and hit[0].inspect_needs_tensorflow:
         _heavy_imports(args)
+
+
+def _contract(path: str, args=None):
+    """Read a contract; TensorFlow is imported (quietly) only for the formats that need it."""
+    from policy_export.exporter.inspection import contract_of
+
+    _contract_imports(path, args)
     return contract_of(path, getattr(args, "signature", "serving_default"), getattr(args, "tag", "serve"))
 
 
 def cmd_inspect(args, console) -> int:
-    from rich.table import Table
-    from rich.text import Text
-
     from policy_export.exporter.inspection import contract_json
+    from policy_export.exporter.screen import Column, print_table
 
     shown = _inspect_source(args, console)
     if shown is not None:
@@ -396,15 +501,13 @@ def cmd_inspect(args, console) -> int:
     if args.json:
         print(contract_json(kind, Path(args.path), contract))
         return EXIT_OK
-    table = Table(title=escape(f"{args.path} ({kind}, signature {contract.signature_key})"), title_justify="left")
-    for column in ("", "key", "dtype", "shape", "required / default"):
-        table.add_column(column)
+    rows = []
     for side, specs in (("input", contract.inputs), ("output", contract.outputs)):
         for s in specs:
             need = "required" if s.required else f"default {s.default!r}"
-            table.add_row(*(Text(one_line(v)) for v in (side, s.key, s.dtype, s.shape_text(),
-                                                          need if side == "input" else "")))
-    console.print(table)
+            rows.append((side, s.key, s.dtype, s.shape_text(), need if side == "input" else ""))
+    columns = [Column(""), Column("key"), Column("dtype", keep=1), Column("shape"), Column("required / default", keep=2)]
+    print_table(console, f"{args.path} ({kind}, signature {contract.signature_key})", columns, rows, more="--json")
     return EXIT_OK
 
 
@@ -413,10 +516,9 @@ def _inspect_source(args, console) -> int | None:
     network), read before TensorFlow loads; ``None`` when ``args.path`` is no such source."""
     import json
 
-    from rich.table import Table
-    from rich.text import Text
-
     from policy_export.exporter import sources
+    from policy_export.exporter.inspection import brief_spaces
+    from policy_export.exporter.screen import Column, print_table
 
     source = next((s for s in sources.all_sources() if s.shows_itself and s.detect(Path(args.path))), None)
     if source is None:
@@ -428,34 +530,34 @@ def _inspect_source(args, console) -> int | None:
     if args.json:
         print(json.dumps(shown.json, indent=2))
         return EXIT_OK
-    table = Table(title=escape(shown.title), title_justify="left")
-    for column in shown.columns:
-        table.add_column(column)
-    for row in shown.rows:
-        table.add_row(*(Text(one_line(str(v))) for v in row))
-    console.print(table)
+    # the first two columns name what a row is; the others may be left out at a narrow width, the last first
+    columns = [Column(c, keep=None if i < 2 else len(shown.columns) - i) for i, c in enumerate(shown.columns)]
+    print_table(console, shown.title, columns, [tuple(brief_spaces(one_line(str(v))) for v in row) for row in shown.rows],
+                more="--json")
     return EXIT_OK
 
 
 def cmd_diff(args, console) -> int:
     import json
 
-    from policy_export.signatures.diff import diff_contracts
+    from policy_export.exporter.inspection import diff_exports, weights_line
 
-    (_, old), (_, new) = _contract(args.old, args), _contract(args.new, args)
-    result = diff_contracts(old, new)
+    for path in (args.old, args.new):
+        _contract_imports(path, args)
+    result = diff_exports(args.old, args.new)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(result, indent=2))
     else:
-        console.print(f"[bold]{'compatible' if result.compatible else 'BREAKING'}[/bold]: "
+        console.print(f"[bold]{'compatible' if result['compatible'] else 'BREAKING'}[/bold]: "
                       f"{escape(one_line(f'{args.old} -> {args.new}'))}")
-        for change in result.changes:
-            style = "red" if change.kind == "breaking" else "green"
-            console.print(f"  [{style}]{change.kind}[/{style}] "
-                          f"{escape(one_line(f'{change.side} {change.key}: {change.what}'))}", soft_wrap=True)
-        if not result.changes:
+        for change in result["changes"]:
+            style = "red" if change["kind"] == "breaking" else "green"
+            what = f"{change['side']} {change['key']}: {change['what']}"
+            console.print(f"  [{style}]{change['kind']}[/{style}] {escape(one_line(what))}")
+        if not result["changes"]:
             console.print("  no change to any input or output")
-    return EXIT_OK if result.compatible else EXIT_CHECK_FAILED
+        console.print(f"  {escape(weights_line(result['weights']))}")
+    return EXIT_OK if result["compatible"] else EXIT_CHECK_FAILED
 
 
 @contextlib.contextmanager
@@ -499,7 +601,8 @@ def _emit_policy_reports(args, reports_by_policy: dict, paths: dict, signatures:
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             with open(summary, "a", encoding="utf-8") as f:
-                f.writelines(reports.markdown_summary(r, f"convert {pid}", (), signatures.get(pid))
+                f.writelines(reports.markdown_summary(r, f"{_summary_title(args, 'convert', paths[pid])} "
+                                                         f"(policy {pid})", (), signatures.get(pid))
                              for pid, r in reports_by_policy.items())
     except OSError as e:
         from policy_export.errors import ExportError
@@ -543,37 +646,38 @@ def cmd_rollout(args, console) -> int:
                          f"(largest deviation {max(report.max_deviation(f) for f in bad):.3g})")
         parts += [f"{f}'s mean return differs from {ref}'s by {report.relative_return_difference(f):+.2%} "
                   f"(at most {report.return_tolerance:.0%})" for f in failed if f in report.lossy]
-        print(f"{PROG}: rollout failed: {'; '.join(parts)}", file=sys.stderr)
+        error_line(f"{PROG}: rollout failed: {'; '.join(parts)}")
         return EXIT_CHECK_FAILED
     return EXIT_OK
 
 def _print_rollout(console, report, args) -> None:
-    """The rollout's table of episodes and its summary lines."""
-    from rich.table import Table
+    """The rollout's table of episodes (fitted to the width: the first-divergence columns are left
+    out before the returns) and its summary lines."""
+    from rich.text import Text
+
+    from policy_export.exporter.screen import Column, print_table
 
     ref, others = report.reference, report.formats[1:]
-    table = Table(title=f"rollout {escape(str(args.out))} in {escape(args.env)} (deterministic actions; "
-                        f"reference {ref})", title_justify="left")
-    table.add_column("episode seed", justify="right")
-    for f in report.formats:
-        table.add_column(f"return {f}", justify="right")
-    table.add_column("steps", justify="right")
-    for f in others:
-        table.add_column(f"{f}: first divergence", justify="right")
+    columns = [Column("episode seed", justify="right", wraps=True)]
+    columns += [Column(f"return {f}", keep=10 + i, justify="right") for i, f in enumerate(report.formats)]
+    columns.append(Column("steps", keep=5, justify="right", wraps=False))
+    columns += [Column(f"{f}: first divergence", keep=8 - i, justify="right") for i, f in enumerate(others)]
+    rows = []
     for e in report.episodes:
         steps = "/".join(str(e.steps[f]) for f in report.formats)
-        cells = ["none" if e.first_divergence[f] is None
-                 else f"step {e.first_divergence[f]} (lossy)" if f in report.lossy
-                 else f"[bold red]step {e.first_divergence[f]}[/bold red]" for f in others]
-        table.add_row(str(e.seed), *(f"{e.returns[f]:.1f}" for f in report.formats), steps, *cells)
-    console.print(table)
-    console.print("mean return: " + ", ".join(f"{f} {report.mean_return(f):.1f}" for f in report.formats))
-    console.print("largest action deviation from the reference: "
-                  + ", ".join(f"{f} {report.max_deviation(f):.3g}" for f in others))
-    console.print("mean return difference from the reference: "
+        cells = [Text("none") if e.first_divergence[f] is None
+                 else Text(f"step {e.first_divergence[f]} (lossy)") if f in report.lossy
+                 else Text(f"step {e.first_divergence[f]}", style="bold red") for f in others]
+        rows.append((str(e.seed), *(f"{e.returns[f]:.1f}" for f in report.formats), steps, *cells))
+    print_table(console, f"rollout {args.out} in {args.env} (deterministic actions; reference {ref})", columns, rows,
+                more="--report-json")
+    console.print(escape("mean return: " + ", ".join(f"{f} {report.mean_return(f):.1f}" for f in report.formats)))
+    console.print(escape("largest action deviation from the reference: "
+                         + ", ".join(f"{f} {report.max_deviation(f):.3g}" for f in others)))
+    console.print(escape("mean return difference from the reference: "
                   + ", ".join(f"{f} {report.return_difference(f):+.1f} ({report.relative_return_difference(f):+.2%}"
                               + (f", lossy: at most {report.return_tolerance:.0%}" if f in report.lossy else "") + ")"
-                              for f in others))
+                              for f in others)))
 
 
 def _many_options(args) -> dict:
@@ -601,14 +705,19 @@ def _many_progress(args):
         yield {"progress": lambda line: None}
         return
     if not live_terminal():
-        yield {}
+        yield {"progress": error_line}  # one line per event on stderr, wrapped at its width
         return
-    from rich.console import Console
+    from policy_export.exporter.progress import terminal_console
+    from policy_export.exporter.screen import say
 
-    err = Console(stderr=True)
-    with err.status("starting") as status:
-        yield {"progress": lambda line: err.print(escape(line), highlight=False, soft_wrap=True),
-               "status": lambda counts: status.update(escape(counts))}
+    err = terminal_console()
+    try:
+        with err.status("starting") as status:
+            yield {"progress": lambda line: say(err, line), "status": lambda counts: status.update(escape(counts))}
+    finally:
+        close = getattr(err.file, "close_with_display", None)
+        if close is not None:
+            close()
 
 
 def cmd_export_many(args, console) -> int:
@@ -650,7 +759,7 @@ def _many_report(args, console, result, title: str) -> int:
         from policy_export.errors import ExportError
 
         raise ExportError(f"cannot write a report: {e}") from e
-    console.print(report.table(result.results, escape(title)))
+    report.print_report(console, result.results, title)
     counts = ", ".join(f"{v} {k}" for k, v in sorted(report.summary(result.results, result.seconds)["counts"].items()))
     if not result.passed:
         console.print(f"{len(result.failed)} of {len(result.results)} policies failed: "
@@ -782,24 +891,47 @@ def _check_signature(args, console, request, problems: list) -> dict:
 def cmd_sign(args, console) -> int:
     """``sign OUT --sign-key KEY``: verify the export (files and parity plan), then sign it."""
     from policy_export.exporter.manifest import read_manifest
-    from policy_export.exporter.signing import check_sign_inputs, inside_export, sign_export
+    from policy_export.exporter.pipeline import sign_verified
+    from policy_export.exporter.signing import check_sign_inputs
 
-    path = check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
-                             certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
+    check_sign_inputs(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
+                      certificate_chain=args.certificate_chain, keyless=args.sign_keyless)
     password = _sign_password(args)
     read_manifest(Path(args.out))  # not an export: refused before TensorFlow loads
     _heavy_imports(args)
-    from policy_export.exporter.verify import verify_export
-
-    result = verify_export(args.out, signature_inside=inside_export(args.out, path))  # re-signed in place
-    if not result.passed:
+    result, signed = sign_verified(args.out, args.sign_key, args.signature_file,
+                                   signing_certificate=args.signing_certificate,
+                                   certificate_chain=tuple(args.certificate_chain), keyless=args.sign_keyless,
+                                   password=password)
+    if signed is None:
         for problem in (result.file_problems + [f"{k}: {v}" for k, v in result.parity.errors.items()]
                         + [r.describe() for r in result.parity.failures()]):
             console.print(f"[bold red]{escape(one_line(problem))}[/bold red]", soft_wrap=True, highlight=False)
-        print(f"{PROG}: sign refused: {args.out} fails verify; nothing was signed", file=sys.stderr)
+        error_line(f"{PROG}: sign refused: {args.out} fails verify; nothing was signed")
         return EXIT_CHECK_FAILED
-    signed = sign_export(args.out, args.sign_key, args.signature_file, signing_certificate=args.signing_certificate,
-                         certificate_chain=args.certificate_chain, keyless=args.sign_keyless, password=password)
     print_note(console, "verified and signed", f"{args.out} ({signed.files} files) with {signed.signer}: "
                f"{signed.signature}")
+    return EXIT_OK
+
+
+def cmd_docs(args, console) -> int:
+    """``docs [TOPIC]``: a page or an example printed as it is (Markdown, a script); without
+    TOPIC the list of them; ``--write DIR``: all of them written out (:mod:`exporter.docs`)."""
+    from policy_export.exporter import docs
+    from policy_export.exporter.screen import Column, print_table, say
+
+    if args.write is not None:
+        if args.topic is not None:
+            from policy_export.errors import InputError
+
+            raise InputError("docs --write DIR writes every topic; give no TOPIC with it")
+        target, count = docs.write_tree(args.write)
+        say(console, f"wrote {count} files to {target}: README.md, docs/, examples/ and the fixtures the examples "
+                     f"use; e.g. bash {target}/examples/ci_gate.sh")
+        return EXIT_OK
+    if args.topic is None:
+        print_table(console, f"{PROG} docs TOPIC prints one of these ({PROG} docs --write DIR writes them all):",
+                    [Column("topic"), Column("what it is", keep=1)], docs.topics())
+        return EXIT_OK
+    sys.stdout.write(docs.text(args.topic))  # the page as it is, as --json prints data
     return EXIT_OK

@@ -74,5 +74,7 @@ def require(modules: Sequence[str], extra: str, what: str) -> None:
     """
     missing = missing_modules(modules)
     if missing:
-        raise InputError(f"{what} needs {', '.join(missing)}, which is not installed; install the {extra} extra: "
-                         f"pip install \"policy-export[{extra}]\"")
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        which = "which is" if len(missing) == 1 else "which are"
+        raise InputError(f"{what} needs the module{'s' if len(missing) > 1 else ''} {names}, {which} not installed; "
+                         f"install the {extra} extra: pip install \"policy-export[{extra}]\"")

@@ -30,12 +30,34 @@ def _run(opened: sources.Opened, out: str | Path, rest: dict[str, Any], device: 
     return run_source(opened, plan_source(opened, out, opts), opts)
 
 
-def _opened(kind: str, path: Any, own: dict[str, Any]) -> sources.Opened:
+def _opened(kind: str | tuple[str, ...], path: Any, own: dict[str, Any], what: str = "source") -> sources.Opened:
+    """``path`` opened as the source ``kind`` (a name, or the names it may be: the registry tells
+    which it is), with its own options ``own``.
+
+    Raises:
+        InputError: no such path, or not a source of ``kind`` (naming what it would have to be).
+    """
     from policy_export.exporter.pipeline import refuse_foreign
 
-    source = sources.get(kind)
+    if isinstance(kind, tuple):
+        source = sources.detect(path, kind, what)
+    else:
+        source = sources.get(kind)
     refuse_foreign(own, source)
     return source.open(path, own)
+
+
+CHECKPOINTS = ("rlmodule", "checkpoint")  # RLlib's new API stack, its old one
+
+
+def _checkpoint(checkpoint: Any, own: dict[str, Any]) -> sources.Opened:
+    """An RLlib checkpoint of either API stack opened (a :class:`~exporter.sources.checkpoint.Checkpoint`
+    already read is the old stack's)."""
+    from policy_export.exporter.sources.checkpoint import Checkpoint
+
+    if isinstance(checkpoint, Checkpoint):
+        return _opened("checkpoint", checkpoint, own)
+    return _opened(CHECKPOINTS, Path(checkpoint), own, "checkpoint")
 
 
 def export_spec(spec, out: str | Path, options: ExportOptions | None = None, **keywords: Any) -> ExportResult:
@@ -89,15 +111,20 @@ def convert_keras_model(path: str | Path, out: str | Path, *, device: str = "aut
 
 
 def convert_checkpoint(checkpoint: Any, out: str | Path, *, policy_id: str | None = None, use_filter: bool = True,
-                       actions: str = "environment", device: str = "auto", **options: Any) -> ExportResult:
-    """Convert one policy of an RLlib checkpoint (ray 2.1-2.9, old API stack) into a full export at ``out``.
+                       actions: str = "environment", device: str = "auto", filter_agent: Any = None,
+                       **options: Any) -> ExportResult:
+    """Convert one policy of an RLlib checkpoint into a full export at ``out``: the old API stack's
+    (ray 2.1-2.9, framework "tf") or the new one's (ray 2.40-2.60, torch RLModules), whichever
+    ``checkpoint`` is.
 
     ``checkpoint``: the checkpoint directory (or a :class:`~exporter.sources.checkpoint.Checkpoint`
-    already read). Neither ray nor any pickled code is run: see :mod:`exporter.sources.checkpoint`.
-    ``policy_id``: which policy (default: the only one). ``use_filter`` false leaves RLlib's
-    observation filter out of the graph; ``actions`` is ``"environment"`` (unsquashed/clipped as
-    ``compute_single_action`` does) or ``"policy"`` (as ``policy.compute_actions`` returns them).
-    ``options`` go to :func:`exporter.export_policy`.
+    already read by :func:`read_checkpoint`). Neither ray nor torch nor any pickled code is run:
+    see :mod:`exporter.sources.checkpoint` and :mod:`exporter.sources.rlmodule`. ``policy_id``:
+    which policy (the new stack: which module; default: the only one). ``use_filter`` false leaves
+    RLlib's observation filter out of the graph; ``actions`` is ``"environment"`` (unsquashed/clipped
+    as ``compute_single_action`` does) or ``"policy"`` (as ``policy.compute_actions`` returns them);
+    ``filter_agent`` (the new stack) names the agent whose filter statistics a per-agent filter
+    uses. ``options`` go to :func:`exporter.export_policy`.
 
     Example::
 
@@ -107,17 +134,22 @@ def convert_checkpoint(checkpoint: Any, out: str | Path, *, policy_id: str | Non
         The :class:`exporter.ExportResult`; its manifest's ``source`` records the checkpoint, the
         rebuilt network and the weights it used, and its contract the filter and the actions.
     Raises:
-        UnsafeCheckpointError: the checkpoint is refused (see :func:`read_checkpoint`).
+        InputError: no such directory, or not an RLlib checkpoint of either stack; ``filter_agent``
+            for an old-stack checkpoint.
+        UnsafeCheckpointError: the checkpoint is refused by the safe reader (a pickle that names
+            code, a file that leaves the directory...; see :func:`read_checkpoint`).
         ExportError: no such policy id, or a policy the package does not rebuild.
         WeightsError: weights that do not fit the config. ParityFailedError: a format differs.
     """
     own = {"policy_id": policy_id, "use_filter": use_filter, "actions": actions}
-    return _one(_run(_opened("checkpoint", checkpoint, own), out, dict(options), device))
+    opened = _checkpoint(checkpoint, {**own, **({"filter_agent": filter_agent} if filter_agent is not None else {})})
+    return _one(_run(opened, out, dict(options), device))
 
 
 def convert_checkpoint_policies(checkpoint: Any, out: str | Path, *, use_filter: bool = True,
                                 actions: str = "environment", device: str = "auto", **options: Any) -> dict[str, Any]:
-    """Every policy of an RLlib checkpoint, one export each at ``out/<policy id>/``, each with its own parity.
+    """Every policy of an RLlib checkpoint (either API stack: the new one's modules), one export each
+    at ``out/<policy id>/``, each with its own parity.
 
     Arguments as for :func:`convert_checkpoint`. Every target is checked before the first export;
     when one policy fails, the exports this call wrote are removed again and the error is raised.
@@ -126,4 +158,4 @@ def convert_checkpoint_policies(checkpoint: Any, out: str | Path, *, use_filter:
         policy id -> :class:`exporter.ExportResult`, in the checkpoint's order.
     """
     own = {"all_policies": True, "use_filter": use_filter, "actions": actions}
-    return _run(_opened("checkpoint", checkpoint, own), out, dict(options), device)
+    return _run(_checkpoint(checkpoint, own), out, dict(options), device)

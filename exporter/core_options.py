@@ -16,6 +16,7 @@ No TensorFlow: the command line's ``--help`` imports it.
 from __future__ import annotations
 
 import math
+from os import PathLike
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -78,7 +79,7 @@ def resolve_formats(formats: Sequence[str] | None) -> tuple[str, ...]:
     known = registry.names()
     unknown = [f for f in formats if f not in known]
     if unknown:
-        raise InputError(f"unknown format(s) {unknown}{did_you_mean(unknown, known)}; choose from {', '.join(known)}")
+        raise InputError(f"unknown format(s) {unknown}: choose from {', '.join(known)}{did_you_mean(unknown, known)}")
     for name in formats:  # a format whose library is not installed: the extra that brings it
         registry.get(name).check_installed()
     return tuple(f for f in known if f in formats)
@@ -156,10 +157,17 @@ def _timeout(value: Any, option: Option) -> float | None:
 
 # ----------------------------------------------------------------------------- declarations
 
+def _rollout_formats_help() -> str:
+    playable = [f.name for f in registry.with_capability("signature")]  # what runs the policy's signature
+    also = ", ".join(n for n in playable if n not in D.DEFAULT_ROLLOUT_FORMATS)
+    return ("comma-separated formats that play, the first is the reference unless it is lossy (the float "
+            f"SavedModel is then the reference) (default {','.join(D.DEFAULT_ROLLOUT_FORMATS)}; also {also})")
+
+
 def _formats_help() -> str:
     default = registry.default_names()
-    return (f"comma-separated subset of {','.join(default)} (the default) and the opt-in "
-            f"{','.join(n for n in registry.names() if n not in default)}")
+    return (f"comma-separated formats (e.g. saved_model,onnx): of {', '.join(default)} (the default), and the "
+            f"opt-in {', '.join(n for n in registry.names() if n not in default)}")
 
 
 def _lossy_help() -> str:
@@ -223,10 +231,21 @@ REFERENCE = (
            "MODEL.onnx against", None, metavar="FILE", rule=_reference, path=True),
     Option("reference_names", "a recorded array's name in the graph, where they differ; repeatable", (),
            kind="list", metavar="RECORDED=GRAPH", rule=_optional(_pairs), flag_name="--reference-name", api_type=(list, dict)),
-    Option("state_pairs", "a recurrent graph's state: the input fed back from this output (default: the k-th input "
+    Option("reference_state_pairs", "a recurrent graph's state: the input fed back from this output (default: the k-th input "
            "the recording does not hold from the k-th output it does not hold); repeatable", (), kind="list",
            metavar="IN=OUT", rule=_optional(_pairs), flag_name="--state-pair", api_type=(list, dict)),
 )
+
+
+def _contract_file(value: Any, option: Option) -> Any:
+    if value is not None and (not isinstance(value, (str, PathLike)) or not str(value)):
+        raise InputError(f"{option.name} ({option.flag}) must be a file's path")
+    return None if value is None else str(value)  # read (strictly, bounded) with the model, before anything runs
+
+
+CONTRACT_FILE = Option("contract_file", "MODEL.onnx's contract file: the gymnasium space of a graph input or output, "
+                       "and which outputs are actions (JSON; optional)", None, metavar="FILE", rule=_contract_file,
+                       flag_name="--contract", path=True)
 
 
 def _observations(value: Any, option: Option) -> Any:
@@ -299,7 +318,7 @@ SIGNATURE_CHECK = (*SIGNATURE_CHECKER, SIGNATURE)
 PARITY = (ATOL, RTOL, TOLERANCE, ALLOW_NON_FINITE, DEVICE, ALLOW_TF32, BEHAVIOUR, REPORT_JSON, JUNIT)
 EXPORT = (FORMATS, OPSET, SEED, OVERWRITE, INPUTS_AS_NCHW, EXPLORE_SAMPLES, EXTERNAL_DATA_THRESHOLD, SAMPLES,
           OBSERVATIONS, TOLERANCES, BATCH_SIZE, STEPPED_STEPS, *PARITY, RUN_TIMEOUT, ALLOW_PARTIAL, QUIET, VERBOSE,
-          *SIGN)
+          *SIGN, *REFERENCE, CONTRACT_FILE)
 
 VERIFY = (
     Option("seed", f"seed of fresh samples (default {D.VERIFY_SEED})", D.VERIFY_SEED, type=int, metavar="S",
@@ -329,18 +348,17 @@ SERVE = (
     Option("grpc_port", f"gRPC port (default {D.SERVE_GRPC_PORT})", D.SERVE_GRPC_PORT, type=int, metavar="N"),
     Option("host", "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)", "127.0.0.1",
            metavar="ADDRESS"),
-    Option("model_name", "the batched model's name; the sampling model is NAME_explore (default policy)", "policy",
-           metavar="NAME"),
-    Option("max_batch_size", f"most rows one batch of the batched model holds (default {D.TRITON_MAX_BATCH_SIZE})",
-           D.TRITON_MAX_BATCH_SIZE, type=int, metavar="N"),
-    Option("device", "where the export's model runs (default auto: the GPU where one is visible)", "auto",
-           kind="choice", choices=("auto", "cpu", "gpu")),
+    Option("model_name", "for an export without the triton format, the name of the repository serve writes (the "
+           "sampling model is NAME_explore; default the policy's name); an export's own triton/ is served as written",
+           None, metavar="NAME"),
 )
 
 JSON = Option("json", "print JSON instead of a table", False, kind="flag")
 INSPECT = (Option("signature", "SavedModel signature", "serving_default", metavar="KEY"),
            Option("tag", "SavedModel tag", "serve", metavar="TAG"), JSON)
 DIFF = (Option("json", "print JSON instead of a summary", False, kind="flag"),)
+DOCS = (Option("write", "write every page and example, with the fixtures the examples run on, to DIR (new or empty), "
+               "laid out as the repository is: the README's links work there", metavar="DIR"),)
 
 ROLLOUT_ENV = Option("env", "gymnasium environment id, e.g. CartPole-v1", metavar="ENV_ID", required=True, rule=_env_id)
 ROLLOUT = (
@@ -352,9 +370,7 @@ ROLLOUT = (
            choices=("auto", "cpu", "gpu")),
     ALLOW_TF32,
     Option("report_json", "write the rollout report as JSON to F", metavar="F"),
-    Option("formats", "comma-separated formats that play, the first is the reference unless it is lossy (the float "
-           "SavedModel is then the reference) (default saved_model,onnx; also frozen_graph, onnx_deterministic, "
-           "tflite, tflite_int8, onnx_int8, onnx_fp16)", metavar="LIST", rule=_rollout_formats),
+    Option("formats", _rollout_formats_help(), metavar="LIST", rule=_rollout_formats),
     Option("return_tolerance", "lossy formats: largest relative difference of the mean return from the reference's "
            f"(default {D.DEFAULT_RETURN_TOLERANCE})", D.DEFAULT_RETURN_TOLERANCE, type=float, metavar="X",
            rule=_return_tolerance),

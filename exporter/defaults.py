@@ -18,3 +18,4 @@ DEFAULT_STEPS = 200  # consecutive steps of stepped parity (recurrent policies)
 DEFAULT_SEQUENCES = 4  # independent sequences stepped in parallel
 DEFAULT_RETURN_TOLERANCE = 0.05  # rollout: largest relative difference of a lossy format's mean return
 DEFAULT_EPISODES = 10  # rollout episodes
+DEFAULT_ROLLOUT_FORMATS = ("saved_model", "onnx")  # rollout: the reference and the format it checks

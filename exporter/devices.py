@@ -50,7 +50,10 @@ class DevicePlan:
                 for p in self.ort_providers]
 
     def apply_tf(self) -> None:
-        """Set TensorFlow's process-wide TF32 switch to this plan's setting."""
+        """Set TensorFlow's process-wide TF32 switch to this plan's setting (a plan for ONNX Runtime
+        alone, :func:`plan_ort_devices`, leaves TensorFlow unloaded)."""
+        if not self.tf_device:
+            return
         import tensorflow as tf
 
         tf.config.experimental.enable_tensor_float_32_execution(self.allow_tf32)

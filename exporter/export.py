@@ -13,12 +13,10 @@ staging directory into place only if every check passed.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +33,8 @@ from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32
 from policy_export.exporter.parity.exploration import summarize as summarize_exploration
 from policy_export.exporter.parity.plan import ParityPlan, write_plan
 from policy_export.exporter.parity.plan import manifest_record as parity_manifest_record
-from policy_export.exporter.progress import SILENT, MemoryTrace, Progress, release_memory
+from policy_export.exporter.progress import SILENT, MemoryTrace, release_memory
+from policy_export.exporter.results import PARITY_DIR, ExportResult, disk_errors, remove_written, timed_stage  # noqa: F401
 from policy_export.exporter.staging import staged_directory
 from policy_export.exporter.watchdog import run_limit
 from policy_export.policy.spaces import leaves, space_to_json
@@ -44,27 +43,6 @@ from policy_export.signatures.keys import OBSERVATIONS, action_key
 
 log = logging.getLogger(__name__)
 
-PARITY_DIR = "parity"
-FROZEN_GRAPH = "frozen_graph"  # the format localisation compares ONNX models with
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    """What :func:`export_policy` wrote; ``timings`` holds each stage's wall time in seconds."""
-
-    path: Path
-    formats: dict[str, FormatRecord]
-    files: list[dict[str, Any]]
-    parity: ParityReport
-    manifest: dict[str, Any]
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # process peak memory at each stage's end
-    missing: dict[str, str] = field(default_factory=dict)  # format -> why it could not be made
-
-    @property
-    def complete(self) -> bool:
-        """Every format asked for was written (and proven)."""
-        return not self.missing
 
 
 def export_policy(policy, out: str | Path, options: ExportOptions | None = None, **keywords: Any) -> ExportResult:
@@ -106,29 +84,6 @@ def run_export(policy, out: str | Path, opts: ExportOptions) -> ExportResult:
     return _Export(policy, Path(out), opts).run()
 
 
-@contextlib.contextmanager
-def _disk_errors(out: Path):
-    """An OS error while the export is written (a full disk, an I/O error, a permission change)
-    becomes an :class:`ExportError` naming it; the staging directory is gone by then."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise ExportError(f"writing the export {out} failed: {reason}{where}; nothing was left behind") from e
-
-
-@contextlib.contextmanager
-def _stage(timings: dict[str, float], name: str, progress: Progress = SILENT, total: int | None = None):
-    """Time the stage ``name`` into ``timings`` and report it to ``progress`` (yields its task)."""
-    start = time.perf_counter()
-    try:
-        with progress.stage(name, total) as task:
-            yield task
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
-
-
 class _Export:
     """One run of :func:`export_policy`: the policy, its signature and options, and what each stage made."""
 
@@ -154,12 +109,12 @@ class _Export:
         if opts.observations:  # read before anything is written: a file that does not fit is bad input
             from policy_export.exporter.recorded import read_recorded
 
-            with _stage(self.timings, "read observations", self.progress):
+            with timed_stage(self.timings, "read observations", self.progress):
                 self.recorded = read_recorded(opts.observations, policy.observation_space, self.signature.contract,
                                               opts.samples, opts.seed, getattr(policy, "name", None))
 
     def run(self) -> ExportResult:
-        with _disk_errors(self.out), staged_directory(self.out, self.opts.overwrite, checked=True) as stage:
+        with disk_errors(self.out), staged_directory(self.out, self.opts.overwrite, checked=True) as stage:
             records = self._write_formats(stage)
             start = time.perf_counter()
             plan = session_plan(self.policy, self.signature.contract, self.opts, self.progress, self.recorded)
@@ -173,7 +128,7 @@ class _Export:
             replay.check_formats(stage, [f.name for f in self.chosen if f.name in records], view, self.device,
                                  checks, report)
             self.timings["parity"] = time.perf_counter() - start
-            with _stage(self.timings, "write manifest", self.progress):
+            with timed_stage(self.timings, "write manifest", self.progress):
                 doc = self._write_manifest(stage, records, plan, report)
             if not report.passed:
                 self._fail(stage, plan, report)
@@ -183,18 +138,18 @@ class _Export:
     def _write_formats(self, stage: Path) -> dict[str, FormatRecord]:
         records: dict[str, FormatRecord] = {}
         if any(f.capabilities.needs_frozen_graph for f in self.chosen):
-            with _stage(self.timings, "freeze", self.progress):
+            with timed_stage(self.timings, "freeze", self.progress):
                 self.ctx.frozen_graph_def()
         for fmt in self.chosen:
             log.info("writing %s", fmt.name)
-            with _stage(self.timings, f"write {fmt.name}", self.progress):
+            with timed_stage(self.timings, f"write {fmt.name}", self.progress):
                 try:
                     records[fmt.name] = fmt.write(self.ctx, stage / fmt.path)
                 except ConversionError as e:
                     # this format cannot be made; the others are still written and proven
                     log.warning("%s: not written: %s", fmt.name, e)
                     self.missing[fmt.name] = str(e)
-                    _remove(stage / fmt.path)
+                    remove_written(stage / fmt.path)
         if not records:
             raise ExportError("no format could be written: " + "; ".join(f"{k}: {v}" for k, v in self.missing.items()))
         self.ctx.release()  # the frozen graph and the converted models hold weights no later stage needs
@@ -244,22 +199,12 @@ class _Export:
                   if f.name in failed}
         if not models:
             return
-        frozen = stage / registry.get(FROZEN_GRAPH).path
+        frozen = stage / registry.localisation_graph().path
         if not frozen.is_file():
             frozen = stage / ".localize_frozen_graph.pb"  # the staging directory is removed on failure
             frozen.write_bytes(self.ctx.frozen_graph_def().SerializeToString())
         report.localization.extend(localize_formats(frozen, models, self.signature.tensor_names()["inputs"],
                                                     plan.golden_inputs, self.tolerances))
-
-
-def _remove(path: Path) -> None:
-    """What a format that failed left in the staging directory."""
-    import shutil
-
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def _writable(policy, names, explicit: bool) -> list:

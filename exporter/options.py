@@ -110,6 +110,11 @@ class ExportOptions(_Checked):
     model_name: str | None = None
     model_version: int = 1
     observations: Sequence[str | Path] | None = None
+    # a model file exported elsewhere (exporter.foreign.export): the recording it is proven against
+    reference: str | Path | None = None
+    reference_names: Mapping[str, str] | None = None
+    reference_state_pairs: Mapping[str, str] | None = None
+    contract_file: str | Path | None = None
 
     RULES = {**declared.rules(declared.EXPORT, __annotations__), "model_name": _model_name,
              "model_version": lambda value: check_count("model_version", value, 1, MAX_MODEL_VERSION)}
@@ -128,6 +133,10 @@ class ExportOptions(_Checked):
         """The sample budgets of the observation space the export samples (``samples``, and
         ``explore_samples`` per exploration observation)."""
         check_sample_budget(self.samples, observation_space, "samples (--samples)")
+        if self.observations:  # recorded observations of another shape: refused before any work
+            from policy_export.exporter.recorded import check_fit
+
+            check_fit(self.observations, observation_space)
         if self.explore_samples:
             check_sample_budget(self.explore_samples * DEFAULT_OBSERVATIONS, observation_space,
                                 f"explore_samples (--explore-samples) {self.explore_samples} x "
@@ -166,7 +175,7 @@ class VerifyOptions(_Checked):
     observations: Sequence[str | Path] | None = None  # recorded observations, checked against the SavedModel
     reference: str | Path | None = None  # a model file (not an export) checked against this recording
     reference_names: Mapping[str, str] | None = None  # recorded name -> the graph's
-    state_pairs: Mapping[str, str] | None = None  # a recurrent graph's state input -> the output fed back
+    reference_state_pairs: Mapping[str, str] | None = None  # a recurrent graph's state input -> the output fed back
 
     RULES = declared.rules(declared.VERIFY, __annotations__)
 

@@ -38,6 +38,10 @@ def open_source(path: str | Path, values: Mapping[str, Any] | None = None, *, al
         InputError: not a source (of ``allowed``), or an option another source owns, naming it; the
             source's own errors for what it refuses.
     """
+    if Path(path).suffix.lower() == ".onnx":
+        raise InputError(f"{what} {path} is a model file exported elsewhere: it is exported with the recording of "
+                         "what its framework computed (export MODEL.onnx --reference REF.npz; in Python "
+                         "policy_export.export_model)")
     source = sources.detect(path, allowed, what)
     values = dict(values or {})
     refuse_foreign(values, source)
@@ -82,6 +86,19 @@ def refuse_unchosen_format_options(opts: ExportOptions) -> None:
                              f"chosen (--formats {','.join(opts.formats)})")
 
 
+# the options of a model file exported elsewhere (exporter.foreign.export), which no source takes
+MODEL_FILE_OPTIONS = {"reference": "--reference", "reference_names": "--reference-name",
+                      "reference_state_pairs": "--state-pair", "contract_file": "--contract"}
+
+
+def refuse_model_file_options(opts: ExportOptions, path: Path) -> None:
+    """Raises InputError when an option of a model file exported elsewhere is given for a source."""
+    given = [flag for name, flag in MODEL_FILE_OPTIONS.items() if getattr(opts, name)]
+    if given:
+        raise InputError(f"{given[0]} applies to a model file exported elsewhere (MODEL.onnx); {path} is a source "
+                         "this package exports from its TF graph, proven against it")
+
+
 @dataclass(frozen=True)
 class SourcePlan:
     """Which policies of an opened source one run exports, and where: ``targets`` maps each policy
@@ -100,6 +117,7 @@ def plan_source(opened: sources.Opened, out: str | Path, opts: ExportOptions) ->
             :meth:`ExportOptions.check_export`.
     """
     refuse_unchosen_format_options(opts)
+    refuse_model_file_options(opts, opened.path)
     ids, each = opened.source.choose(opened)
     root = Path(out).absolute()
     if each and (root.is_symlink() or (root.exists() and not root.is_dir())):
@@ -215,3 +233,31 @@ def export_source(source: Any, out: str | Path, *, device: Any = "auto", **keywo
     opts = export_options(rest, device)
     opened = source if isinstance(source, sources.Opened) else open_source(source, own)
     return run_source(opened, plan_source(opened, out, opts), opts)
+
+
+def sign_verified(out: str | Path, private_key: str | Path | None = None, signature: str | Path | None = None, *,
+                  signing_certificate: str | Path | None = None, certificate_chain: tuple = (),
+                  keyless: bool = False, password: str | bytes | None = None, **verify_keywords: Any):
+    """What ``policy-export sign OUT`` does: verify the export at ``out`` (its files against the
+    manifest, then its stored parity plan on every format), and sign it only if that passed.
+    Returns ``(VerifyResult, Signed | None)``: ``None`` when verify failed and nothing was signed.
+    ``verify_keywords`` go to :func:`exporter.verify.verify_export` (``device``, ``run_timeout``).
+
+    The signing inputs (the extra, the key, its password, the certificates, the signature path)
+    are checked first, before TensorFlow loads; the key is read once.
+
+    Raises:
+        InputError: as :func:`exporter.signing.sign_export`; ``out`` is not an export.
+    """
+    from policy_export.exporter.manifest import read_manifest
+    from policy_export.exporter.signing import check_sign_inputs, inside_export, sign_export
+    from policy_export.exporter.verify import verify_export
+
+    path = check_sign_inputs(out, private_key, signature, signing_certificate=signing_certificate,
+                             certificate_chain=certificate_chain, keyless=keyless)
+    read_manifest(Path(out))  # not an export: refused before TensorFlow loads
+    result = verify_export(out, signature_inside=inside_export(out, path), **verify_keywords)  # re-signed in place
+    if not result.passed:
+        return result, None
+    return result, sign_export(out, private_key, signature, signing_certificate=signing_certificate,
+                               certificate_chain=certificate_chain, keyless=keyless, password=password)

@@ -169,7 +169,7 @@ class RichProgress(Progress):
     a spinner (a check mark once done), a bar and row count where the total is known, and the
     elapsed time."""
 
-    def __init__(self, console):
+    def __init__(self, console, transient: bool = False):
         from rich.progress import BarColumn, Progress as _Progress, ProgressColumn, SpinnerColumn, TextColumn
         from rich.text import Text
 
@@ -190,7 +190,8 @@ class RichProgress(Progress):
 
         self._progress = _Progress(SpinnerColumn(finished_text="[green]\u2713[/green]"),
                                    TextColumn("{task.description}", markup=False), _Bar(), _Rows(), _Elapsed(),
-                                   console=console, transient=False, redirect_stdout=False, redirect_stderr=False)
+                                   console=console, transient=transient, redirect_stdout=False,
+                                   redirect_stderr=True)
         self._started = False
         self._closed = False
 
@@ -224,6 +225,44 @@ class RichProgress(Progress):
             if failed:  # leave the terminal clean for the one error line
                 self._progress.live.transient = True
             self._progress.stop()
+        closing = getattr(self._progress.console.file, "close_with_display", None)
+        if closing is not None:
+            closing()
+
+
+class _OwnDescriptor:
+    """A text stream on a duplicate of a terminal's descriptor, for the live display alone: a
+    library that points descriptor 2 elsewhere while it loads (TensorFlow, quietly) does not
+    swallow the frames the display draws meanwhile, which would leave the display's bookkeeping
+    of the lines on the screen wrong and its lines drawn twice."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = os.fdopen(os.dup(stream.fileno()), "w", encoding=getattr(stream, "encoding", None) or "utf-8",
+                                 errors="replace", closefd=True)
+
+    def close_with_display(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def terminal_console(stream: TextIO | None = None):
+    """A rich Console for a live display on the terminal ``stream`` (default ``sys.stderr``),
+    writing to a duplicate of its descriptor (see :class:`_OwnDescriptor`). Its width is the
+    terminal's own, asked again at each frame (a resized window redraws at its new width), never
+    ``COLUMNS``: a display that redraws its lines must know how wide the screen really is, or a
+    line the terminal wraps is drawn again below itself."""
+    from rich.console import Console
+
+    stream = sys.stderr if stream is None else stream
+    try:
+        own: Any = _OwnDescriptor(stream)
+    except (AttributeError, OSError, ValueError):  # no descriptor to duplicate: the stream itself
+        own = stream
+    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return Console(file=own, force_terminal=True, _environ=environ)
 
 
 def live_terminal(stream: TextIO | None = None, environ: Mapping[str, str] | None = None) -> bool:
@@ -239,20 +278,18 @@ def live_terminal(stream: TextIO | None = None, environ: Mapping[str, str] | Non
 
 
 def for_terminal(quiet: bool = False, environ: Mapping[str, str] | None = None, console: Any = None,
-                 stream: TextIO | None = None) -> Progress:
-    """The command line's reporter: silent with ``quiet``; a live rich display on ``console`` when
-    ``stream`` (default ``sys.stderr``) is a terminal, ``TERM`` is not ``dumb`` and ``CI`` is not
-    set; plain lines on stderr otherwise. ``FORCE_COLOR`` does not make a log file a terminal."""
+                 stream: TextIO | None = None, plain: bool = True, transient: bool = False) -> Progress:
+    """The command line's reporter: silent with ``quiet``; a live rich display on ``console``
+    (default :func:`terminal_console`) when ``stream`` (default ``sys.stderr``) is a terminal,
+    ``TERM`` is not ``dumb`` and ``CI`` is not set, erased when it closes with ``transient``;
+    otherwise plain lines on stderr, or nothing when ``plain`` is false. ``FORCE_COLOR`` does not
+    make a log file a terminal."""
     if quiet:
         return SILENT
     stream = sys.stderr if stream is None else stream
     if live_terminal(stream, environ):
-        if console is None:
-            from rich.console import Console
-
-            console = Console(file=stream)
-        return RichProgress(console)
-    return PlainProgress()
+        return RichProgress(console if console is not None else terminal_console(stream), transient=transient)
+    return PlainProgress() if plain else SILENT
 
 
 class Counted:

@@ -25,36 +25,55 @@ def _tolerance(r: OutputParity) -> str:
     return "exact" if r.exact else f"{r.atol:g}/{r.rtol:g}"
 
 
-def parity_table(report: ParityReport, title: str):
-    """A rich Table with one row per format and output."""
-    from rich.table import Table
+# the full table's columns (``--verbose``): at 80 columns the ones with the lowest ``keep`` are left out
+PARITY_COLUMNS = (
+    ("format", None, "left"), ("output", None, "left"), ("dtype", 3, "left"), ("shape", 2, "left"),
+    ("max abs", None, "right"), ("mean abs", 1, "right"), ("p99 abs", 0, "right"), ("max rel", 4, "right"),
+    ("atol/rtol", None, "left"), ("min atol", 5, "right"), ("result", None, "left"),
+)
+
+
+def parity_rows(report: ParityReport) -> list[tuple]:
+    """The full table's rows: one per format and output, per exploration test group, per
+    behavioural check (texts; the result as a styled Text)."""
     from rich.text import Text
 
-    def plain(value: object) -> Text:  # user-derived text (keys, formats) is never read as markup
-        return Text(_one_line(value))
+    def result(passed: bool) -> Text:
+        return Text("pass", style="green") if passed else Text("FAIL", style="bold red")
 
-    table = Table(title=title, title_justify="left")
-    for column in ("format", "output", "dtype", "shape", "max abs", "mean abs", "p99 abs", "max rel", "atol/rtol",
-                   "min atol", "result"):
-        table.add_column(column, justify="right" if column.startswith(("max", "min", "mean", "p99")) else "left",
-                         no_wrap=True)
+    rows: list[tuple] = []
     for r in report.records:
-        result = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
         shape = "x".join(str(d) for d in r.shape)
-        table.add_row(plain(r.format), plain(r.key), plain(r.dtype), shape, _fmt(r.max_abs_err), _fmt(r.mean_abs_err),
-                      _fmt(r.p99_abs_err), _fmt(r.max_rel_err), _tolerance(r),
-                      "-" if r.exact else _fmt(r.min_atol_to_pass), result)
+        rows.append((_one_line(r.format), _one_line(r.key), _one_line(r.dtype), shape, _fmt(r.max_abs_err),
+                     _fmt(r.mean_abs_err), _fmt(r.p99_abs_err), _fmt(r.max_rel_err), _tolerance(r),
+                     "-" if r.exact else _fmt(r.min_atol_to_pass), result(r.passed)))
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
-        ok = all(c.passed for c in checks)
-        table.add_row(plain(f"{fmt} (explore)"), plain(key), "samples", f"{len(checks)} tests x {worst.samples}",
-                      f"p {worst.p_value:.2g}", "", "", "", f"p >= {worst.threshold:.1e}", "",
-                      "[green]pass[/green]" if ok else "[bold red]FAIL[/bold red]")
+        rows.append((_one_line(f"{fmt} (explore)"), _one_line(key), "samples", f"{len(checks)} tests x {worst.samples}",
+                     f"p {worst.p_value:.2g}", "", "", "", f"p >= {worst.threshold:.1e}", "",
+                     result(all(c.passed for c in checks))))
     for c in report.behaviour:  # lossy formats: behavioural parity
-        table.add_row(plain(c.format), plain(c.key), c.metric, str(c.samples), _fmt(c.max_abs_err),
-                      _fmt(c.mean_abs_err), _fmt(c.p99_abs_err), "", _behaviour_bound(c), _behaviour_value(c),
-                      "[green]pass[/green]" if c.passed else "[bold red]FAIL[/bold red]")
-    return table
+        rows.append((_one_line(c.format), _one_line(c.key), c.metric, str(c.samples), _fmt(c.max_abs_err),
+                     _fmt(c.mean_abs_err), _fmt(c.p99_abs_err), "", _behaviour_bound(c), _behaviour_value(c),
+                     result(c.passed)))
+    return rows
+
+
+def parity_table(report: ParityReport, title: str | None = None, width: int = 200):
+    """A rich Table with one row per format and output, fitted to ``width`` (the columns that
+    matter least left out first: see :data:`PARITY_COLUMNS`). ``title`` is not drawn (the caller
+    prints it above the table); kept for callers that pass one."""
+    from policy_export.exporter.screen import table
+
+    return table(_parity_columns(), parity_rows(report), width)[0]
+
+
+def _parity_columns():
+    from policy_export.exporter.screen import Column
+
+    # names wrap at spaces, the output's before the format's; so do the exploration rows' bounds
+    return [Column(name, keep, justify, wraps=name in ("format", "output", "atol/rtol"), narrow=int(name == "format"))
+            for name, keep, justify in PARITY_COLUMNS]
 
 
 VERDICT_WIDTH = 80  # the verdict's widest line when stdout is not a terminal (a pipe, a CI log)
@@ -140,8 +159,10 @@ def _checks(report: ParityReport) -> Iterator[_Check]:
     for (fmt, key), checks in _group_exploration(report).items():
         worst = min(checks, key=lambda c: c.p_value)
         ratio = _ratio(worst.threshold, worst.p_value)
-        yield _Check(fmt, f"{key} (explore)", f"p {worst.p_value:.2g}", f"p >= {worst.threshold:.1e}",
-                     all(c.passed for c in checks), (ratio, ratio))
+        passed = all(c.passed for c in checks)
+        # a p-value that passes is no error: the line shows it only when the format has nothing else
+        rank = (ratio, ratio) if not passed else (-1.0, ratio)
+        yield _Check(fmt, f"{key} (explore)", f"p {worst.p_value:.2g}", f"p >= {worst.threshold:.1e}", passed, rank)
     yield from (_behaviour_check(c) for c in report.behaviour)
     for label in report.errors:
         yield _Check(split_label(label)[0], "-", "not run", "", False, (math.inf, math.inf))
@@ -161,34 +182,42 @@ def verdicts(report: ParityReport) -> list[Verdict]:
     return out
 
 
-def verdict_table(report: ParityReport):
-    """A rich Table with one line per format (see :func:`verdicts`), 80 columns wide or less for
-    the bundled policies; a longer name folds onto a second line, nothing is cut."""
-    from rich import box
-    from rich.table import Table
+VERDICT_COLUMNS = ("format", "worst output", "error", "tolerance", "result")
+
+
+def verdict_rows(report: ParityReport) -> list[tuple]:
     from rich.text import Text
 
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
-    for column in ("format", "worst output", "error", "tolerance", "result"):
-        table.add_column(column, overflow="fold", no_wrap=column in ("error", "tolerance", "result"))
-    for v in verdicts(report):
-        table.add_row(Text(_one_line(v.format)), Text(_one_line(v.output)), v.error, v.bound,
-                      "[green]pass[/green]" if v.passed else "[bold red]FAIL[/bold red]")
-    return table
+    return [(_one_line(v.format), _one_line(v.output), v.error, v.bound,
+             Text("pass", style="green") if v.passed else Text("FAIL", style="bold red")) for v in verdicts(report)]
+
+
+def _verdict_columns():
+    from policy_export.exporter.screen import Column
+
+    # the output's name wraps first, then the format's; the error and bound at their space ("agree 99.75%")
+    return [Column(name, wraps=name != "result", narrow={"format": 2, "error": 1, "tolerance": 1}.get(name, 0))
+            for name in VERDICT_COLUMNS]
+
+
+def verdict_table(report: ParityReport, width: int = VERDICT_WIDTH):
+    """A rich Table with one line per format (see :func:`verdicts`), fitted to ``width``: a long
+    name wraps at a space onto a second line, nothing is cut."""
+    from policy_export.exporter.screen import table
+
+    return table(_verdict_columns(), verdict_rows(report), width)[0]
 
 
 def print_verdict(console, report: ParityReport, heading: str, verbose: bool = False) -> None:
     """``heading`` (plain text) and one line per format on ``console``; with ``verbose`` the full
-    table (:func:`parity_table`) first. When the console is not a terminal (a pipe, a CI log) the
-    verdict is at most :data:`VERDICT_WIDTH` columns wide."""
-    from rich.markup import escape
-    from rich.text import Text
+    table (:func:`parity_table`) first. Everything fits the console's width (80 columns through a
+    pipe): long text wraps at spaces, the full table leaves out the columns that matter least
+    and says which (``parity/report.json`` holds every one)."""
+    from policy_export.exporter.screen import print_table
 
     if verbose:
-        console.print(parity_table(report, escape(_one_line(heading))))
-    width = console.width if console.is_terminal else min(console.width, VERDICT_WIDTH)
-    console.print(Text(_one_line(heading)), width=width)
-    console.print(verdict_table(report), width=width)
+        print_table(console, heading, _parity_columns(), parity_rows(report), more="the report JSON holds every column")
+    print_table(console, heading, _verdict_columns(), verdict_rows(report))
 
 
 def _behaviour_value(c) -> str:

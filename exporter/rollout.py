@@ -38,8 +38,8 @@ from policy_export.signatures.keys import (
     OBSERVATIONS, PREV_ACTION, PREV_REWARD, SEQ_LENS, action_key, is_state_in, state_in_key, state_out_key,
 )
 
-DEFAULT_FORMATS = ("saved_model", "onnx")
 from policy_export.exporter.defaults import DEFAULT_RETURN_TOLERANCE  # noqa: E402
+from policy_export.exporter.defaults import DEFAULT_ROLLOUT_FORMATS as DEFAULT_FORMATS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,7 @@ def _rollout(out: Path, env_id: str, opts: RolloutOptions, doc: dict | None) -> 
     lossy = tuple(f for f in formats[1:] if _is_lossy(f))
     contract = Contract.from_json(doc["contract"])
     tolerances = Tolerances.from_json(doc["tolerances"])
+    _check_has_spaces(doc, str(out))
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", str(out))
     act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", str(out))
     try:
@@ -201,12 +202,22 @@ def _rollout(out: Path, env_id: str, opts: RolloutOptions, doc: dict | None) -> 
     return RolloutReport(env_id, formats, results, lossy, float(opts.return_tolerance))
 
 
+def _check_has_spaces(doc: dict, where: str) -> None:
+    """Raises InputError when the manifest records no policy spaces (the export of a policy
+    exported elsewhere: its graph's tensors, not an environment's spaces)."""
+    if not isinstance(doc.get("spaces"), dict):
+        raise InputError(f"{where} records no observation and action spaces (a policy exported elsewhere is "
+                         "checked against its recording); a rollout needs them: export the policy from its "
+                         "source instead, or check it with verify")
+
+
 def check_environment(doc: dict, env_id: str, where: str) -> None:
     """``env_id`` made once and its spaces checked against the export's (before any runtime loads).
 
     Raises:
         InputError: the environment cannot be made, or its spaces are not the export's.
     """
+    _check_has_spaces(doc, where)
     obs_space = space_from_json(doc["spaces"]["observation"], "$.spaces.observation", where)
     act_space = space_from_json(doc["spaces"]["action"], "$.spaces.action", where)
     try:

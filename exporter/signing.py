@@ -34,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -324,7 +325,7 @@ def check_sign_inputs(out: str | Path, private_key: str | Path | None, signature
     require_signing("signing an export")
     path = signature_path(out, signature)
     if private_key is not None:
-        check_input("--sign-key", private_key)
+        check_key("--sign-key", private_key, "private", elliptic=signing_certificate is None)
     if signing_certificate is not None:
         check_input("--signing-certificate", signing_certificate)
     for chain in certificate_chain:
@@ -543,9 +544,65 @@ def check_verify_request(public_key: str | Path | None = None, certificate_chain
         raise InputError("check a signature with --public-key KEY, --certificate-chain PEM, or --identity and "
                          "--identity-issuer (keyless)")
     if public_key is not None:
-        check_input("--public-key", public_key)
+        check_key("--public-key", public_key, "public")
     for chain in certificate_chain:
         check_input("--certificate-chain", chain)
+
+
+_PEM_LABEL = re.compile(rb"-----BEGIN ([A-Z0-9 ]{1,40})-----")
+
+
+def key_kind(data: bytes) -> str | None:
+    """What a PEM file holds, by its first ``-----BEGIN ...-----`` line: ``private`` (a private key,
+    encrypted or not), ``public``, ``certificate``, or ``None`` (no PEM label)."""
+    match = _PEM_LABEL.search(data[:MAX_KEY_BYTES])
+    if match is None:
+        return None
+    label = match.group(1).decode("ascii")
+    if label.endswith("PRIVATE KEY"):
+        return "private"
+    if label.endswith("PUBLIC KEY"):
+        return "public"
+    return "certificate" if "CERTIFICATE" in label else label.lower()
+
+
+def check_key(flag: str, path: str | Path, want: str, elliptic: bool = True) -> None:
+    """The key file ``path`` given as ``flag`` holds the kind of key the flag takes (``want``:
+    ``private`` for ``--sign-key``, ``public`` for ``--public-key``), an elliptic-curve one
+    (unless not ``elliptic``: a certificate's key is model-signing's to judge), decided from the
+    file before any work (a swapped pair is the common mistake).
+
+    Raises:
+        InputError: it cannot be read (:func:`read_input`), or holds another kind of key, a
+            certificate, no PEM at all, or a key that is not elliptic-curve, said in one line.
+    """
+    data = read_input(flag, path)
+    kind = key_kind(data)
+    other = "--public-key" if want == "private" else "--sign-key"
+    if kind is None:
+        raise InputError(f"{flag} {path}: not a PEM key file (no -----BEGIN ...----- line); {flag} takes the "
+                         f"{want} key of an elliptic-curve pair, PEM")
+    if kind in ("private", "public") and kind != want:  # the pair swapped
+        raise InputError(f"{flag} {path} is a {kind} key, not the {want} one ({other} takes it)")
+    if kind != want:
+        raise InputError(f"{flag} {path} holds a {kind}, not a {want} key (PEM)")
+    if not elliptic:
+        return
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        key = (serialization.load_pem_public_key(data) if want == "public"
+               else serialization.load_pem_private_key(data, None))
+    except TypeError:  # an encrypted private key: its password is asked for (or read) next
+        return
+    except (ValueError, UnsupportedAlgorithm) as e:
+        reason = " ".join(str(e).split())[:120]
+        raise InputError(f"{flag} {path}: not a readable {want} key ({reason})") from None
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
+        algorithm = type(key).__name__.removeprefix("_").replace("PrivateKey", "").replace("PublicKey", "")
+        raise InputError(f"{flag} {path} is an {algorithm} key; model signing takes an elliptic-curve key (PEM)")
 
 
 def verify_signature(out: str | Path, signature: str | Path | None = None, public_key: str | Path | None = None,

@@ -345,7 +345,7 @@ def _evaluate(graph_def, tensors: list[str], feeds: dict | None = None) -> list:
         return sess.run([t if ":" in t else t + ":0" for t in tensors], fed, options=options)
 
 
-_VARIABLE_OPS = {"VarHandleOp", "VariableV2", "Variable"}
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})  # ops that hold a variable
 _REF_READERS = {"Identity"}  # a VariableV2's readers the skeleton keeps as they are
 
 
@@ -363,7 +363,7 @@ def skeleton(policy, output_nodes: list[str]):
     from tensorflow.core.framework import attr_value_pb2
 
     graph_def, _ = drop_write_only_updates(policy.graph.as_graph_def(), output_nodes)
-    variables = {n.name: n for n in graph_def.node if n.op in _VARIABLE_OPS}
+    variables = {n.name: n for n in graph_def.node if n.op in VARIABLE_OPS}
     weights: dict[str, Any] = {}
     for node in graph_def.node:
         sources = [i.split(":")[0].lstrip("^") for i in node.input]
@@ -415,7 +415,7 @@ def exploration_state(tensors: list) -> list[str]:
         seen.add(op.name)
         if op.type in ASSIGN_OPS:
             written.add(op.inputs[0].op.name)
-        elif op.type in _READ_OPS and op.inputs and op.inputs[0].op.type in _VARIABLE_OPS:
+        elif op.type in _READ_OPS and op.inputs and op.inputs[0].op.type in VARIABLE_OPS:
             read.add(op.inputs[0].op.name)
         todo.extend(t.op for t in op.inputs)
         todo.extend(op.control_inputs)

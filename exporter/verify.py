@@ -22,12 +22,11 @@ from policy_export.exporter.options import VerifyOptions, check_tolerance_keys
 from policy_export.exporter.parity import behaviour as behaviour_thresholds
 from policy_export.exporter.parity import replay
 from policy_export.exporter.parity.compare import ParityReport, Tolerances, tf32_tolerances
-from policy_export.exporter.parity.plan import GOLDEN_INPUTS, GOLDEN_OUTPUTS, load_plan
+from policy_export.exporter.parity.plan import GOLDEN_INPUTS, GOLDEN_OUTPUTS, golden_planned, load_plan
 from policy_export.exporter.progress import SILENT
 from policy_export.exporter.watchdog import run_limit
 from policy_export.signatures.contract import Contract
 
-FROZEN_GRAPH = "frozen_graph"  # the format localisation compares ONNX models with
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ class _Verify:
                                    "nothing was loaded")
                 return VerifyResult(self.out, problems, self.report)
         _untrusted_formats(self.out, self.doc, check, self.report)
-        if not all(check.trusted(g) for g in (GOLDEN_INPUTS, GOLDEN_OUTPUTS)):
+        if golden_planned(self.doc) and not all(check.trusted(g) for g in (GOLDEN_INPUTS, GOLDEN_OUTPUTS)):
             self.report.errors["parity"] = "golden files not loaded: they failed the hash check"
             return VerifyResult(self.out, problems, self.report)
         try:
@@ -142,7 +141,9 @@ class _Verify:
     def _stored_replay(self, check: manifest.FileCheck) -> replay.Replay:
         from policy_export.policy.spaces import space_from_json
 
-        action_space = space_from_json(self.doc["spaces"]["action"], "$.spaces.action", str(self.out / manifest.MANIFEST))
+        spaces = self.doc.get("spaces")  # none in the export of a policy exported elsewhere (its recording instead)
+        action_space = space_from_json(spaces["action"], "$.spaces.action", str(self.out / manifest.MANIFEST)) \
+            if spaces else None
         stored = load_plan(self.out, self.doc, check, action_space, self.contract, self.opts.batch_size)
         checks = replay.Replay(stored, self.contract, self.tolerances, self.opts.batch_size, self.doc["formats"],
                                action_space=action_space)
@@ -151,8 +152,10 @@ class _Verify:
 
     def _replay(self, check: manifest.FileCheck, checks: replay.Replay) -> list[str]:
         report = self.report
-        report.samples = len(next(iter(checks.plan.golden_inputs.values())))
-        notes = checks.plan.describe()
+        report.samples = checks.plan.rows
+        if not golden_planned(self.doc):
+            report.reference = "the stored recording"
+        notes: list[str] = []
         if self.candidates:
             notes.append("candidates: " + ", ".join(f"{f}={p}" for f, p in self.candidates.items())
                          + " (the export's own formats are not run)")
@@ -171,13 +174,13 @@ class _Verify:
         if self.opts.localize:
             with self.progress.stage("localize"):
                 notes.append(self._localize(check, checks.plan.golden_inputs))
-        return notes
+        return checks.plan.describe() + notes  # described once replayed: a group says how it ran
 
     def _localize(self, check: manifest.FileCheck, golden_inputs) -> str:
         """``verify --localize``: localise every ONNX model checked against the trusted frozen graph."""
         from policy_export.exporter.parity.localize import localize_formats
 
-        frozen = registry.get(FROZEN_GRAPH).path
+        frozen = registry.localisation_graph().path
         if not check.trusted(frozen) or frozen not in {f["path"] for f in self.doc["files"]}:
             return "localize: not run, the export has no trusted frozen graph to compare with"
         onnx_formats = registry.with_capability("onnx")

@@ -125,6 +125,30 @@ def nest_from_leaves(space: gym.Space, values: dict[str, Any] | list, prefix: st
 # --------------------------------------------------------------------------- to JSON
 
 
+def space_text(space: gym.Space, limit: int = 200) -> str:
+    """A space as a person reads it, short: ``Box(4,)``, ``Box(84, 84, 3) uint8``, ``Discrete(2)``,
+    ``MultiDiscrete([3, 2])``, ``Dict(a: Box(3,), b: Discrete(2))`` (a Box's bounds left out; a
+    float32 Box names no dtype); at most ``limit`` characters."""
+    if isinstance(space, gym.spaces.Box):
+        dtype = "" if np.dtype(space.dtype) == np.float32 else f" {np.dtype(space.dtype).name}"
+        text = f"Box{tuple(int(d) for d in space.shape)}{dtype}"
+    elif isinstance(space, gym.spaces.Discrete):
+        start = int(getattr(space, "start", 0))
+        text = f"Discrete({int(space.n)}{f', start={start}' if start else ''})"
+    elif isinstance(space, gym.spaces.MultiDiscrete):
+        text = f"MultiDiscrete({np.asarray(space.nvec).tolist()})"
+    elif isinstance(space, gym.spaces.MultiBinary):
+        n = space.n if isinstance(space.n, int) else list(space.n)
+        text = f"MultiBinary({n})"
+    elif isinstance(space, gym.spaces.Dict):
+        text = "Dict(" + ", ".join(f"{k}: {space_text(v, limit)}" for k, v in space.spaces.items()) + ")"
+    elif isinstance(space, gym.spaces.Tuple):
+        text = "Tuple(" + ", ".join(space_text(v, limit) for v in space.spaces) + ")"
+    else:
+        text = type(space).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def space_to_json(space: gym.Space) -> dict[str, Any]:
     """The spec-file JSON object of a gymnasium space."""
     if isinstance(space, gym.spaces.Box):

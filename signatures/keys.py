@@ -12,6 +12,8 @@ gymnasium's flatten order), ``state_out_<i>``, ``action_dist_inputs``, ``action_
 
 from __future__ import annotations
 
+import re
+
 OBSERVATIONS = "observations"
 EXPLORE = "explore"
 IS_TRAINING = "is_training"
@@ -76,3 +78,10 @@ def state_index(key: str) -> int:
 def state_out_for(state_in: str) -> str:
     """``state_out_<i>`` for ``state_in_<i>``."""
     return state_out_key(state_index(state_in))
+
+
+def clean_key(key: str) -> str:
+    """A source's output or tensor name as a signature key: the tensor suffix dropped
+    (``fc_out:0`` -> ``fc_out``), every character but letters, digits and ``_/.-`` (which ONNX
+    tools dislike) replaced by ``_``. Every source names extra outputs and inputs with it."""
+    return re.sub(r"[^A-Za-z0-9_/.-]", "_", key.split(":")[0])

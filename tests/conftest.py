@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# The command line wraps what it prints at 80 columns through a pipe unless COLUMNS says otherwise.
+# The tests check what it says with the paths pytest makes (their length differs from machine to
+# machine), so they run it unwrapped; how it is laid out at 80 columns, through a pipe and on a
+# terminal, is tested apart with paths of known length and no COLUMNS (tests/test_width.py,
+# tests/test_cheap_mistakes.py; helpers.cli(..., narrow=True)).
+WIDE_ENOUGH = "10000"  # set once pytest has measured its own terminal (see pytest_configure)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = ROOT / "fixtures"
@@ -28,8 +35,13 @@ def default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's terminal reporter has taken the terminal's width
 def pytest_configure(config):
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    if config.pluginmanager.get_plugin("terminalreporter") is not None:  # pytest's own lines keep their width
+        writer = config.get_terminal_writer()
+        writer.fullwidth = writer.fullwidth
+    os.environ["COLUMNS"] = WIDE_ENOUGH  # the command line's, in this process and the ones it starts
 
 
 def gpu_available() -> tuple[bool, str]:
@@ -55,19 +67,56 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def shared_artifact(tmp_path_factory, key: str, build):
+    """``(value, path)`` of the artifact ``key``: built once per test session, however many xdist
+    workers ask for it.
+
+    ``build(path)`` makes the artifact at ``path`` and returns a picklable value (for an export,
+    its ``ExportResult``). Artifacts live in ``shared/``, in the directory all workers of a session
+    share: the parent of each worker's ``getbasetemp()`` (without xdist, the basetemp itself). Each
+    key has a ``filelock.FileLock`` beside it; the first worker to take it builds the artifact,
+    then pickles the value to ``<key>.pickle`` (written last, by rename: the mark of a complete
+    artifact). The others wait on the lock and load the pickle. A build that raised, or a worker
+    that died building, leaves no pickle: the next to take the lock clears ``path`` and builds
+    again. Every worker reads the same files: a test that changes them works on a copy
+    (``helpers.copy_of``)."""
+    import pickle
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared" / key
+    done = path.with_name(path.name + ".pickle")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(path.name + ".lock")):
+        if done.exists():
+            return pickle.loads(done.read_bytes()), path
+        if path.exists():
+            shutil.rmtree(path)
+        value = build(path)
+        partial = path.with_name(path.name + ".pickle.partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(done)
+        return value, path
+
+
 def spec_exports(tmp_path_factory, label: str, options=None):
-    """``get(name)`` -> (ExportResult, path): each bundled fixture exported once, on CPU, under a
-    directory of its own (``label``), with ``options`` (keywords of ``export_spec``, or a function
-    of the fixture's name returning them)."""
+    """``get(name)`` -> (ExportResult, path): each bundled fixture exported once per session (see
+    :func:`shared_artifact`), on CPU, under a directory of its own (``label``, and a digest of the
+    options), with ``options`` (keywords of ``export_spec``, or a function of the fixture's name
+    returning them)."""
+    import hashlib
+
     from policy_export.exporter import export_spec
 
     cache = {}
-    base = tmp_path_factory.mktemp(label)
 
     def get(name: str):
         if name not in cache:
             keywords = options(name) if callable(options) else dict(options or {})
-            cache[name] = (export_spec(FIXTURES_DIR / name, base / name, device="cpu", **keywords), base / name)
+            digest = hashlib.sha256(repr(sorted(keywords.items())).encode()).hexdigest()[:8]
+            cache[name] = shared_artifact(tmp_path_factory, f"{label}/{digest}/{name}", lambda out: export_spec(
+                FIXTURES_DIR / name, out, device="cpu", **keywords))
         return cache[name]
 
     return get

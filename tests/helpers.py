@@ -16,16 +16,20 @@ SCRIPT = Path(sys.executable).parent / "policy-export"
 
 
 def cli(*args: str, cwd: Path | None = None, env_extra: dict | None = None,
-        isolated: bool = False) -> subprocess.CompletedProcess:
+        isolated: bool = False, narrow: bool = False) -> subprocess.CompletedProcess:
+    """``policy-export ARGS``, in this process unless it needs one of its own; unwrapped (the
+    suite's ``COLUMNS``: see conftest.py), or with ``narrow`` as through a person's pipe: no
+    ``COLUMNS``, so 80 columns."""
     if not (isolated or cwd or env_extra or os.environ.get("POLICY_EXPORT_CLI_TESTS_IN_SUBPROCESS")):
-        return _in_process(args)
+        return _in_process(args, narrow)
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "policy_export"]
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY")}
+    dropped = ("TF_CPP_MIN_LOG_LEVEL", "GITHUB_STEP_SUMMARY", *(("COLUMNS",) if narrow else ()))
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(env_extra or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
-def _in_process(args) -> subprocess.CompletedProcess:
+def _in_process(args, narrow: bool = False) -> subprocess.CompletedProcess:
     """``policy-export ARGS`` run by :func:`policy_export.exporter.cli.main` in this process, its
     stdout and stderr captured (as text, as a subprocess's would be)."""
     import contextlib
@@ -34,7 +38,8 @@ def _in_process(args) -> subprocess.CompletedProcess:
     from policy_export.exporter.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.pop(k) for k in ("GITHUB_STEP_SUMMARY",) if k in os.environ}
+    dropped = ("GITHUB_STEP_SUMMARY", *(("COLUMNS",) if narrow else ()))
+    saved = {k: os.environ.pop(k) for k in dropped if k in os.environ}
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -67,10 +72,10 @@ def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
-def notes(stdout: str, label: str) -> list[str]:
+def notes(stdout: str, label: str, width: int | None = None) -> list[str]:
     """The ``label: ...`` notes a command printed, each joined from its wrapped lines (a line that
-    starts with a space continues the one above); every printed line fits 80 columns, but for
-    one word (a path) longer than that, which is never split."""
+    starts with a space continues the one above); with ``width``, every printed line of them fits
+    it, but for one word (a path) longer than that, which is never split."""
     found: list[str] = []
     lines = stdout.splitlines()
     for i, line in enumerate(lines):
@@ -80,15 +85,29 @@ def notes(stdout: str, label: str) -> list[str]:
                 if not more.startswith(" " * (len(label) + 2)):
                     break
                 parts.append(more.strip())
-            assert all(len(p) <= 80 or " " not in p.removeprefix(f"{label}: ").strip()
-                       for p in lines[i:i + len(parts)]), parts
+            assert width is None or all(len(p) <= width or " " not in p.removeprefix(f"{label}: ").strip()
+                                        for p in lines[i:i + len(parts)]), parts
             found.append(" ".join(parts))
     return found
 
 
+def messages(stream: str) -> list[str]:
+    """The messages of a command's stderr (or stdout), each joined from its lines: the command
+    line wraps a message at the width (80 columns through a pipe) and a line that starts with a
+    space continues the one above."""
+    found: list[str] = []
+    for line in stream.strip("\n").splitlines():
+        if line.startswith(" ") and found:
+            found[-1] += " " + line.strip()
+        elif line.strip():
+            found.append(line.rstrip())
+    return found
+
+
 def one_line_error(proc, code: int, fragment: str) -> None:
+    """Exit ``code``, one message on stderr (wrapped at the width: see :func:`messages`) holding ``fragment``."""
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
+    lines = messages(proc.stderr)
     assert len(lines) == 1, proc.stderr
     assert fragment in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
@@ -117,3 +136,21 @@ def verify_cli(*args: str, tmp_path: Path) -> tuple[int, dict]:
     report = tmp_path / f"report-{len(list(tmp_path.glob('report-*.json')))}.json"
     code = main(["verify", *args, "--device", "cpu", "--report-json", str(report)])
     return code, (json.loads(report.read_text()) if report.exists() else {})
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, and theirs (read from ``/proc``)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            if f"\nPPid:\t{parent}\n" in status:
+                found.append(int(entry.name))
+                todo.append(int(entry.name))
+    return found

@@ -22,7 +22,7 @@ from policy_export.exporter.options import ExportOptions
 from policy_export.exporter.sources.checkpoint import read_checkpoint
 from policy_export.exporter.sources.safe_pickle import Record
 from policy_export.exporter.verify import verify_export
-from helpers import cli
+from helpers import cli, messages
 
 from tests.checkpoint_matrix import CHECKPOINTS
 
@@ -100,7 +100,8 @@ def test_the_command_line_refuses_a_zero_width_layer_with_exit_2(tmp_path):
     run = cli("convert", str(target), "--out", str(out), "--samples", "50", "--device", "cpu", isolated=True)
     assert run.returncode == 2, run.returncode
     assert "model.fcnet_hiddens[0] is 0" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
+    # one message after the progress lines of the stages that finished (TensorFlow loaded)
+    assert len([m for m in messages(run.stderr) if not m.startswith("[policy-export] ")]) == 1, run.stderr[-2000:]
     _no_leftovers(tmp_path, out)
 
 
@@ -116,7 +117,7 @@ def _filter(**values):
 @pytest.mark.parametrize("case,change,message", [
     ("ppo_filter", _filter(clip=float("nan")), "observation filter clip is nan, not a finite number"),
     ("ppo_filter", _filter(clip=-1.0), "observation filter clip is -1.0, not positive"),
-    ("ppo_filter", _filter(n=10**40), "observation filter count is 1000000000000000000000000000000000000000"),
+    ("ppo_filter", _filter(n=10**40), "observation filter count is <int of 133 bits>, not an integer"),
     ("ppo_filter", _filter(mean=np.array([0, np.inf, 0, 0])), "filter's mean holds values that are not finite"),
     ("ppo_filter", _filter(m2=np.array([0, np.nan, 0, 0])), "standard deviation holds values that are not finite"),
     ("ppo_filter", lambda p: p.config.update(normalize_actions=Record()), "normalize_actions is <record ?>"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli
+from helpers import cli, messages
 from conftest import FIXTURES_DIR
 
 NOISE = ("I0000", "WARNING: All log messages", "cuda", "tensorflow", "Traceback", "oneDNN")
@@ -47,7 +47,7 @@ def test_export_then_verify(exported, tmp_path):
     assert_quiet(proc.stderr)
     assert "verified" in proc.stdout and "CPUExecutionProvider" in proc.stdout
     text = summary.read_text()
-    assert text.startswith("# earlier step\n### verify: passed")  # appended, not overwritten
+    assert text.startswith(f"# earlier step\n### verify {exported}: passed")  # appended, not overwritten
     assert "| onnx | actions_0 | 0 | 0 | 0 | 0 | exact | pass |" in text
 
 
@@ -80,7 +80,7 @@ def test_tampered_export_fails_verify_naming_the_file(exported, tmp_path):
 def test_existing_output_is_exit_2_without_traceback(exported):
     proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(exported), isolated=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "--overwrite" in proc.stderr
+    assert len(messages(proc.stderr)) == 1 and "--overwrite" in proc.stderr
     assert_quiet(proc.stderr)
 
 
@@ -100,7 +100,7 @@ def test_bad_input_is_one_line_and_exit_2(setup, args, fragment, tmp_path):
     setup(spec)
     proc = cli("export", str(spec), "--out", str(tmp_path / "out"), *args)
     assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = messages(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("policy-export: error:") and fragment in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
 

@@ -22,7 +22,7 @@ from policy_export.exporter import export_policy, export_spec, formats
 from policy_export.exporter.staging import staged_directory
 from policy_export.policy import ExportError, PolicyExportError, SpecError, WeightsError, load_spec
 from policy_export.policy.h5io import read_h5_weights, write_h5_weights
-from helpers import cli
+from helpers import cli, messages
 
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -321,7 +321,7 @@ def test_export_directory_mode_follows_the_umask(tmp_path):
 def test_more_bad_cli_input_is_exit_2(args, fragment, tmp_path):
     proc = cli("export", str(FIXTURES_DIR / "cartpole_mlp"), "--out", str(tmp_path / "out"), *args)
     assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert len(messages(proc.stderr)) == 1
 
 
 @pytest.mark.parametrize("space, fragment", [

@@ -26,7 +26,7 @@ from policy_export.exporter import manifest
 from policy_export.exporter.staging import _write_journal, journal_path, lock_path, staged_directory
 from policy_export.policy import ExportError, InputError, SpecError, WeightsError, spec_from_json
 from policy_export.policy.h5io import read_h5_weights
-from helpers import cli, one_line_error, resign, snapshot
+from helpers import cli, messages, one_line_error, resign, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -213,7 +213,7 @@ def test_termination_signals_clean_up_like_an_interrupt(tmp_path, sig):
     proc.send_signal(getattr(signal, sig))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
-    *progress, last = stderr.strip().splitlines()  # the stages that finished first, one line each
+    *progress, last = messages(stderr)  # the stages that finished first, one line each
     assert all(re.fullmatch(r"\[policy-export\] [^:]+: \d+\.\d s", line) for line in progress), stderr
     assert f"interrupted by {sig}" in last and "no partial export was left behind" in last
     assert list(tmp_path.iterdir()) == []  # no partial directory, no lock, no export

@@ -163,7 +163,7 @@ def test_every_flag_of_every_command_is_a_declaration():
     from policy_export.exporter import cli_args, core_options, formats, sources
 
     declared = [o for group in (core_options.EXPORT, core_options.VERIFY, core_options.SERVE, core_options.INSPECT,
-                                core_options.DIFF, core_options.ROLLOUT, core_options.EXPORT_MANY)
+                                core_options.DIFF, core_options.ROLLOUT, core_options.EXPORT_MANY, core_options.DOCS)
                 for o in group if o.cli]
     declared += [o for s in sources.all_sources() for o in s.options]
     declared += [o for f in formats.all_formats() for o in f.options]

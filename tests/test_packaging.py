@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,16 +27,21 @@ def test_every_installed_package_lives_under_policy_export():
 
 
 def test_every_source_package_is_installed():
-    """A wheel holds only the packages listed: every folder of the sources with an ``__init__.py`` must be."""
+    """A wheel holds only the packages listed: every folder of the sources with an ``__init__.py``
+    must be; the others listed are folders of data only (the docs, the examples and the fixtures
+    they run on, for ``policy-export docs``), each mapped to its folder and holding no module."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(config["tool"]["setuptools"]["packages"])
     dirs = config["tool"]["setuptools"]["package-dir"]
     found = set()
+    data = {package for package, folder in dirs.items() if not (ROOT / folder / "__init__.py").exists()}
     for package, folder in dirs.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([package, *rel.parts]))
-    assert found == listed
+    assert found == listed - data
+    assert data == {"policy_export.docs", "policy_export.examples", "policy_export.fixtures.cartpole_mlp",
+                    "policy_export.fixtures.pendulum_mlp", "policy_export.fixtures.rllib.checkpoints.ppo_filter"}
 
 
 def test_installed_import_name_and_no_top_level_collisions(tmp_path):
@@ -73,7 +79,8 @@ def wheel(tmp_path_factory):
     so that the checkout gains no build/ folder."""
     tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
-    keep = ("pyproject.toml", "README.md", "LICENSE", "policy_export", "policy", "signatures", "exporter")
+    keep = ("pyproject.toml", "README.md", "LICENSE", "policy_export", "policy", "signatures", "exporter", "docs",
+            "examples", "fixtures/cartpole_mlp", "fixtures/pendulum_mlp", "fixtures/rllib/checkpoints/ppo_filter")
     for name in keep:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -205,9 +212,23 @@ def test_the_readme_commands_run_from_the_wheel_installed_outside_the_checkout(w
     assert done.returncode == 0 and "policy-export export cartpole --out OUT" in done.stdout, done.stderr
     done = run("export", "cartpole", "--out", "out/cartpole", "--formats", "saved_model,onnx,triton", "-q")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"exported {work / 'out' / 'cartpole'}: saved_model, onnx, triton (" in done.stdout
+    assert "exported out/cartpole: saved_model, onnx, triton (" in done.stdout  # the path as typed
     done = run("verify", "out/cartpole", "-q")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "verified out/cartpole: files match the manifest, every format matches"
     done = run("inspect", "out/cartpole/triton/cartpole_mlp", "--json")
     assert done.returncode == 0 and json.loads(done.stdout), done.stderr[-2000:]
+    # the documentation, from the wheel: a page as it is; the whole of it where the README's links work
+    done = run("docs", "ci-gate")
+    assert done.returncode == 0 and done.stdout == (ROOT / "docs" / "ci-gate.md").read_text(), done.stderr[-2000:]
+    done = run("docs", "--write", "manual")
+    assert done.returncode == 0, done.stderr[-2000:]
+    manual = work / "manual"
+    assert (manual / "README.md").read_text() == (ROOT / "README.md").read_text()
+    links = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", (manual / "README.md")
+                                                                            .read_text(), flags=re.S))]
+    assert links and all((manual / t).exists() for t in links if t and not re.match(r"[a-z]+:", t)), links
+    done = subprocess.run(["bash", str(manual / "examples" / "export_verify.sh"), "out/example"], cwd=work,
+                          env={**env, "PATH": f"{target / 'bin'}:{os.environ['PATH']}"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "every format matches" in done.stdout, done.stderr[-2000:]

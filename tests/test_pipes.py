@@ -157,9 +157,15 @@ def test_sign_bad_input(made):
     assert_same_code(["sign", made["a"], "--sign-key", made["root"] / "no-key.pem"], 2)
 
 
+def test_docs(made):
+    assert_same_code(["docs"], 0)
+    assert_same_code(["docs", "ci-gate"], 0)  # a page longer than one pipe buffer, its reader gone
+    assert_same_code(["docs", "no-such-page"], 2)
+
+
 def test_every_command_is_tested_here():
     from policy_export.exporter.cli_args import build_parser
 
     tested = {"export", "convert", "verify", "inspect", "diff", "rollout", "serve", "export-many", "verify-many",
-              "example", "sign"}
+              "example", "sign", "docs"}
     assert set(build_parser().command_parsers) == tested

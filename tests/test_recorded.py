@@ -24,7 +24,8 @@ def recorded_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("recorded")
     np.savez(root / "more.npz", observations=np.random.default_rng(0).standard_normal((300, 4)) * 0.1)
     done = cli("export", str(SPEC), "--out", str(root / "out"), "--formats", "saved_model,onnx",
-               "--observations", str(ROLLOUT), "--observations", str(root / "more.npz"), "--samples", "500", *FAST)
+               "--observations", str(ROLLOUT), "--observations", str(root / "more.npz"), "--samples", "500", *FAST,
+               narrow=True)
     assert done.returncode == 0, done.stderr[-2000:]
     (root / "export.out").write_text(done.stdout)
     return root
@@ -33,7 +34,7 @@ def recorded_export(tmp_path_factory):
 def test_export_prints_the_worst_error_on_the_recorded_rows_apart_within_80_columns(recorded_export):
     """The note after the verdict: rows, files, out-of-bounds count, and each format's worst
     error on them; wrapped at 80 columns in a pipe, its continuation lines indented."""
-    (note,) = notes((recorded_export / "export.out").read_text(), "on your observations")
+    (note,) = notes((recorded_export / "export.out").read_text(), "on your observations", width=80)
     head, _, worst = note.partition("): ")
     assert head == "on your observations: 500 rows of cartpole_rollout.npy, more.npz (0 outside the space's bounds"
     per_format = dict(part.split(" ", 1) for part in worst.split("; "))
@@ -125,7 +126,7 @@ BAD = {
     "an unknown key": ("x.npz", lambda p: np.savez(p, observations=np.zeros((4, 4)), obs2=np.zeros((4, 4))),
                        "obs2 is not an input of the policy"),
     "another shape": ("x.npy", lambda p: np.save(p, np.zeros((4, 5), np.float32)),
-                      "rows of shape [5]; the space Box"),
+                      "rows of shape [5]; the observation space is Box(4,), rows of [4]"),
     "complex numbers": ("x.npy", lambda p: np.save(p, np.zeros((4, 4), np.complex64)),
                         "arrays of complex64 are not read"),
     "NaN": ("x.npy", lambda p: np.save(p, np.where(np.arange(16).reshape(4, 4) == 9, np.nan, 0.0)),

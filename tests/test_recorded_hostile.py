@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES_DIR
+from helpers import messages
 
 MLP = FIXTURES_DIR / "cartpole_mlp"
 LSTM = FIXTURES_DIR / "cartpole_lstm"
@@ -136,7 +137,7 @@ def _bounded(run: Run) -> None:
 def _refused_by_export(run: Run, tmp_path: Path, path: Path, fragment: str) -> None:
     """Exit 2, exactly one line on stderr naming the file and the fragment, nothing at --out, bounded."""
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
-    lines = run.stderr.strip().splitlines()
+    lines = messages(run.stderr)
     assert len(lines) == 1, run.stderr[-2000:]
     assert lines[0].startswith(f"policy-export: error: --observations {path}"), lines[0]
     assert fragment in lines[0], lines[0]

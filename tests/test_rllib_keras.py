@@ -297,7 +297,7 @@ def test_empty_folder_names_the_lstm_case(tmp_path):
     proc = cli("convert", str(tmp_path / "m"), "--out", str(tmp_path / "o"),
                "--action-space", '{"type": "Discrete", "n": 2}')
     assert proc.returncode == 2
-    assert "or a SavedModel directory (saved_model.pb)" in proc.stderr and "is not a spec directory" in proc.stderr
+    assert "a SavedModel directory (saved_model.pb)" in proc.stderr and "is not a spec directory" in proc.stderr
 
 
 def test_spaces_from_files_and_named_dist_inputs(tmp_path):

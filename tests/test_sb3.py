@@ -10,7 +10,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,7 +20,7 @@ import pytest
 
 from helpers import cli, one_line_error, snapshot
 from sb3_matrix import (
-    SB3, all_cases, case_record, errors_against_sb3, export_case, expected_outputs, onnx_errors, passes, run_policy,
+    SB3, all_cases, case_record, export_case, expected_outputs, onnx_errors, passes, run_policy,
     source_options,
 )
 

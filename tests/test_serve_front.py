@@ -291,9 +291,13 @@ PADDED_FP64 = (b'{"inputs":[{"name":"zz","shape":[16777216],"datatype":"FP64","d
 
 @pytest.mark.parametrize("body,status,message", [
     # the issue's trigger: 16 MiB declaring 16M FP64 elements of an input the model does not take
-    (PADDED_FP64, 400, "unexpected inference input 'zz' for model 'policy' (it takes observations)"),
+    (PADDED_FP64, 400, "unexpected inference input 'zz' for model 'policy'"),
+    # in tritonserver's order (InferenceRequest::Normalize): the batch size before the data type
     (PADDED_FP64.replace(b'"zz","shape":[16777216]', b'"observations","shape":[4194304,4]'), 400,
-     "inference input 'observations' data-type is 'FP64', but model 'policy' expects 'FP32'"),
+     "[request id: <id_unknown>] inference request batch-size must be <= 16 for 'policy'"),
+    (PADDED_FP64.replace(b'"zz","shape":[16777216]', b'"observations","shape":[16,4]'), 400,
+     "[request id: <id_unknown>] inference input 'observations' data-type is 'FP64', but model 'policy' expects "
+     "'FP32'"),
     (_request(OBS.replace("FP32", "INT64") % "[1,2,3,4]"), 400, "data-type is 'INT64', but model 'policy' expects"),
     (_request(OBS.replace('"FP32"', "32") % "[1,2,3,4]"), 400, "data-type is a JSON int, but"),
     (_request(OBS % "[1,2,3,4]" + "," + OBS % "[1,2,3,4]"), 400, "input 'observations' already exists in request"),
@@ -441,7 +445,7 @@ SMUGGLED = b"GET /v2/models/policy/config HTTP/1.1\r\nHost: front\r\n\r\n"
     (b"\r\n\r\n\r\nGET /v2 HTTP/1.1\r\nHost: front\r\n\r\n", 400, "the request starts with empty lines"),
     # what the front itself serves and refuses
     (post(b"{}", target=b"/v2/repository/models/zz/load"), 404, "POST /v2/repository/models/zz/load is not served"),
-    (post(b"{}", target=b"/v2/models/nope/infer"), 404, "unknown model 'nope'; this server serves policy"),
+    (post(b"{}", target=b"/v2/models/nope/infer"), 404, "Request for unknown model: 'nope' is not found"),
     (b"GET /v2/models/policy HTTP/1.1\r\nHost: front\r\nContent-Length: 2\r\n\r\n{}", 400, "GET takes no body"),
     (b"POST /v2/models/policy/infer HTTP/1.1\r\nHost: front\r\n\r\n", 411, "the request needs a Content-Length"),
     (post(GOOD, b"Content-Encoding: gzip\r\n"), 415, "must not be compressed"),

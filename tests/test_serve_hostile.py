@@ -1,16 +1,22 @@
-"""A hostile export or client against ``verify --server triton`` and ``serve``, on the real Triton
-server (PyTriton's ``tritonserver``, the ``serve`` extra).
+"""A hostile export, client or local user against ``verify --server triton`` and ``serve``, on the
+real Triton server (PyTriton's ``tritonserver``, the ``serve`` extra).
 
-- An export whose ``triton/`` brings code (a ``model.py`` the Python backend would run, a dot
-  folder, a second model, another version) is never given to the server: its repository is built
-  from the files the manifest's triton record says the format wrote, and the server loads those
-  models by name, with no auto-completed config.
+- An export whose ``triton/`` brings code (a ``model.py`` the Python backend would run, a
+  ``triton_python_backend_stub`` it would execute, a backend library Triton's core would load from
+  a model's folder, a dot folder, a second model, another version) is never given to the server:
+  its repository is built from the files the manifest's triton record says the format wrote, and
+  the server loads those models by name, with no auto-completed config.
 - A KServe request declaring a huge shape is answered with an error; the server keeps serving.
 - The issue's hostile requests (a repeated JSON key, 16 MiB of FP64, framing RFC 9112 refuses,
   client errors tritonserver answers 500) get a JSON 4xx from ``serve``'s front and the real server
   answers a good request after each; connection attacks (bodies and headers held by hundreds of
   connections) leave ``serve``'s memory bounded and a good request answered (the front itself is
   tested without a server in ``test_serve_front.py``).
+- Another local user reaches no endpoint but the fronts: tritonserver listens on Unix-domain
+  sockets in a folder only the serving user may enter, on no TCP port; its command line (which
+  any user reads) names nothing else, its environment and shared memory are its user's alone
+  (checked from the listing that user sees, and as that user: a child process of this test
+  switched to ``nobody``, where the tests run as root).
 - An interrupt (SIGINT, SIGTERM) removes the servers' temporary folders and processes.
 
 The attacker may rewrite the export and its manifest (no ``--expect-manifest-sha256``).
@@ -18,12 +24,16 @@ The attacker may rewrite the export and its manifest (no ``--expect-manifest-sha
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import descendants
 from conftest import spec_exports
 
 pytest.importorskip("pytriton", reason="PyTriton is not installed (the serve extra: pip install '.[serve]')")
@@ -45,7 +56,7 @@ from policy_export.exporter.serve.server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.serve
 SCRIPT = Path(sys.executable).parent / "policy-export"
-NAME = "cartpole_mlp"
+NAME = "policy"  # the repository's model (the hostile requests of test_serve_front.py name it)
 # 108 bytes: one input declared [2^31, 2^31] with one value; tritonserver 2.51 allocates the
 # declared shape from a JSON request before it checks it against the model, and dies
 CRASH = (b'{"id":"000","inputs":[{"name":"observations","shape":[2147483648,2147483648],"datatype":"FP32",'
@@ -54,7 +65,8 @@ CRASH = (b'{"id":"000","inputs":[{"name":"observations","shape":[2147483648,2147
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
-    return spec_exports(tmp_path_factory, "serve_hostile", {"formats": ["onnx", "triton"], "samples": 100})(NAME)[1]
+    return spec_exports(tmp_path_factory, "serve_hostile", {"formats": ["onnx", "triton"], "samples": 100,
+                                                           "model_name": NAME})("cartpole_mlp")[1]
 
 
 def _payload(marker: Path) -> str:
@@ -72,7 +84,11 @@ def _tamper(export: Path, target: Path, kind: str, marker: Path) -> Path:
     doc = json.loads((target / "manifest.json").read_text())
     record = doc["formats"]["triton"]
     config = repo / NAME / "config.pbtxt"
-    if kind in ("code", "code_unlisted"):  # no config: Triton would auto-complete it as a Python model
+    if kind in ("stub", "backend_library"):  # what the Python backend or Triton's core would run from a model's folder
+        planted = f"{NAME}/triton_python_backend_stub" if kind == "stub" else f"{NAME}/1/libtriton_onnxruntime.so"
+        (repo / planted).write_text("#!/bin/sh\n: > " + str(marker) + "\n")
+        record["files"].append(f"triton/{planted}")
+    elif kind in ("code", "code_unlisted"):  # no config: Triton would auto-complete it as a Python model
         (repo / "zz" / "1").mkdir(parents=True)
         (repo / "zz" / "1" / "model.py").write_text(_payload(marker))
         record["files"] += ["triton/zz/1/model.py"] if kind == "code" else []
@@ -113,6 +129,8 @@ def _left(tmp: Path) -> list[str]:
 
 @pytest.mark.parametrize("kind,message", [
     ("code", "triton/zz/1/model.py is listed for the triton format, but is not a file it writes"),
+    ("stub", f"triton/{NAME}/triton_python_backend_stub is listed for the triton format, but is not a file it writes"),
+    ("backend_library", f"triton/{NAME}/1/libtriton_onnxruntime.so is listed for the triton format"),
     ("code_unlisted", "triton/zz (a folder) is not one the manifest records the triton format writing"),
     ("dot_folder", "triton/.zz (a folder) is not one the manifest records"),
     ("second_model", "model 'zz' is not one the triton format writes"),
@@ -159,7 +177,9 @@ def test_the_server_loads_only_the_models_named(export, tmp_path):
         (models / folder / "model.py").write_text(_payload(marker))
     (models / ".zz" / "config.pbtxt").write_text('name: ".zz"\nbackend: "python"\n')
     with server:
-        client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{server.ports['http']}")
+        import tritonclient.grpc
+
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_target)  # (its private socket)
         assert client.is_model_ready(NAME) and client.is_model_ready(NAME + "_explore")
         assert not client.is_model_ready("zz") and not client.is_model_ready(".zz")
         assert not client.is_model_ready(NAME, "2")
@@ -195,7 +215,7 @@ def _wait_ready(proc: subprocess.Popen) -> list[str]:
 def _post(port: int, body: bytes) -> tuple[int, dict]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        connection.request("POST", "/v2/models/policy/infer", body=body,
+        connection.request("POST", f"/v2/models/{NAME}/infer", body=body,
                            headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, json.loads(response.read())
@@ -214,7 +234,7 @@ def test_a_huge_declared_shape_is_refused_and_the_server_keeps_serving(export, s
     http_port, grpc_port = free_port(), free_port()
 
     proc = _start([str(SCRIPT), "serve", str(export), "--host", "0.0.0.0", "--port", str(http_port),
-                   "--grpc-port", str(grpc_port), "--device", "cpu"], short_tmp)
+                   "--grpc-port", str(grpc_port)], short_tmp)
     try:
         _wait_ready(proc)
         assert len(_left(short_tmp)) == 1
@@ -225,20 +245,32 @@ def test_a_huge_declared_shape_is_refused_and_the_server_keeps_serving(export, s
         good = {"inputs": [{"name": "observations", "shape": [2, 4], "datatype": "FP32", "data": obs.ravel().tolist()}]}
         status, answer = _post(http_port, json.dumps(good).encode())
         assert status == 200 and [o["shape"] for o in answer["outputs"]][0] == [2, 1], answer
-        # over gRPC the server checks the declared shape itself, and answers
+        # over gRPC the server checks the declared shape itself, and answers (through the gRPC front);
+        # the management calls are answered by the front and never reach it
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            request = service_pb2.ModelInferRequest(model_name="policy", raw_input_contents=[b"\0" * 4])
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = service_pb2.ModelInferRequest(model_name=NAME, raw_input_contents=[b"\0" * 4])
             request.inputs.add(name="observations", datatype="FP32", shape=[2 ** 31, 2 ** 31])
             with pytest.raises(grpc.RpcError, match="unexpected shape for input 'observations'"):
-                service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+                stub.ModelInfer(request, timeout=30)
+            for call, message in [(stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(model_name="zz")),
+                                  (stub.RepositoryIndex, service_pb2.RepositoryIndexRequest()),
+                                  (stub.SystemSharedMemoryRegister,
+                                   service_pb2.SystemSharedMemoryRegisterRequest(name="r", key="/k", byte_size=8)),
+                                  (stub.TraceSetting, service_pb2.TraceSettingRequest()),
+                                  (stub.LogSettings, service_pb2.LogSettingsRequest()),
+                                  (stub.ModelStatistics, service_pb2.ModelStatisticsRequest())]:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(message, timeout=30)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "restricted" in refused.value.details()
         assert _post(http_port, CRASH)[0] == 400
         assert _post(http_port, b"{}") == (400, {"error": "the request has no 'inputs' list"})
         for method, path, body, headers, status in [
             ("POST", "/v2/repository/models/zz/load", b"{}", {}, 404),  # model loading (with files) is not served
             ("POST", "/v2/systemsharedmemory/region/r/register", b"{}", {}, 404),
-            ("POST", "/v2/models/policy/infer", CRASH, {"Content-Encoding": "gzip"}, 415),
-            ("POST", "/v2/models/policy/infer", [CRASH], {"Transfer-Encoding": "chunked"}, 411),
-            ("POST", "/v2/models/policy/infer", CRASH, {"Inference-Header-Content-Length": "109"}, 400),
+            ("POST", f"/v2/models/{NAME}/infer", CRASH, {"Content-Encoding": "gzip"}, 415),
+            ("POST", f"/v2/models/{NAME}/infer", [CRASH], {"Transfer-Encoding": "chunked"}, 411),
+            ("POST", f"/v2/models/{NAME}/infer", CRASH, {"Inference-Header-Content-Length": "109"}, 400),
         ]:
             connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
             connection.request(method, path, body=body, headers=headers, encode_chunked="Transfer-Encoding" in headers)
@@ -273,9 +305,10 @@ with signals_as_interrupts():
 """
 
 
-def test_a_signal_while_the_server_stops_leaves_nothing(export, tmp_path):
+def test_a_signal_while_the_server_stops_leaves_nothing(export, short_tmp):
     """SIGTERM arriving while the repository server is being stopped (the command waiting for it):
     its process group is killed and its folder removed."""
+    tmp_path = short_tmp  # (the server's sockets live in its folder)
     proc = _start([sys.executable, "-c", STOPPING, str(export)], tmp_path)
     try:
         pid = int(proc.stdout.readline())
@@ -295,12 +328,11 @@ def test_a_signal_while_the_server_stops_leaves_nothing(export, tmp_path):
 
 
 def test_an_interrupted_verify_leaves_no_server_folder(export, short_tmp):
-    """SIGINT while ``verify --server triton`` runs the repository's server: exit 130, every
-    folder of both servers gone."""
+    """SIGINT while ``verify --server triton`` runs serve's server: exit 130, its folder gone."""
     proc = _start([str(SCRIPT), "verify", str(export), "--server", "triton"], short_tmp)
     try:
         deadline = time.monotonic() + 120
-        while not list(short_tmp.glob("policy-export-triton-*/tritonserver.log")) and proc.poll() is None \
+        while not list(short_tmp.glob("policy-export-serve-*/tritonserver.log")) and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, proc.stderr.read()
@@ -314,10 +346,10 @@ def test_an_interrupted_verify_leaves_no_server_folder(export, short_tmp):
 
 
 def test_serve_interrupted_while_it_starts_leaves_nothing(export, short_tmp):
-    """SIGTERM while PyTriton starts the server (before ``ready``): exit 130, one line saying so,
-    no traceback, the folder gone."""
-    proc = _start([str(SCRIPT), "serve", str(export), "--port", str(free_port()), "--grpc-port", str(free_port()),
-                   "--device", "cpu"], short_tmp)
+    """SIGTERM while the server starts (before ``ready``): exit 130, one line saying so, no
+    traceback, the folder gone."""
+    proc = _start([str(SCRIPT), "serve", str(export), "--port", str(free_port()), "--grpc-port", str(free_port())],
+                  short_tmp)
     try:
         deadline = time.monotonic() + 120
         while not list(short_tmp.glob("policy-export-serve-*/tritonserver.log")) and proc.poll() is None \
@@ -336,7 +368,7 @@ def test_serve_interrupted_while_it_starts_leaves_nothing(export, short_tmp):
 
 
 def test_a_temporary_folder_too_long_for_the_servers_sockets_is_refused(export, tmp_path, monkeypatch):
-    """PyTriton's sockets live in the server's folder: a TMPDIR that makes them longer than an
+    """The server's private sockets live in its folder: a TMPDIR that makes them longer than an
     AF_UNIX address is named before the server starts, and nothing is left."""
     from policy_export.exporter.serve.server import TritonServer
 
@@ -358,7 +390,7 @@ def test_a_temporary_folder_too_long_for_the_servers_sockets_is_refused(export, 
     (b'{"inputs":[{"name":"observations","shape":' + b"[1" + b",1" * 16 + b'],"datatype":"FP32","data":[1]}]}',
      "at most 16"),
     (b'{"inputs":[{"name":"observations","shape":[1,1,4],"datatype":"FP32","data":[1,2,3,4]}]}',
-     "unexpected shape for input 'observations' for model 'policy'. Expected [-1, 4], got [1, 1, 4]"),
+     "unexpected shape for input 'observations' for model 'policy'. Expected [-1,4], got [1,1,4]"),
     (b'{"inputs":[{"name":"observations","shape":[20,4],"datatype":"FP32","parameters":{"binary_data_size":320}}]}'
      + b"\0" * 320, "batch-size must be <= 16"),
     (b'{"inputs":{}}', "no 'inputs' list"),
@@ -383,14 +415,16 @@ def test_the_front_refuses_what_the_server_could_not_survive(body, message):
 
 @pytest.fixture(scope="module")
 def serving(export):
-    """One ``serve`` process on free ports: (its HTTP port, its process, tritonserver's pid)."""
+    """One ``serve`` process on free ports: (its HTTP port, its process, tritonserver's pid); its
+    gRPC port is ``serving[1].grpc_port``."""
     folder = Path(tempfile.mkdtemp(prefix="pe-", dir="/tmp"))
     http_port, grpc_port = free_port(), free_port()
-    proc = _start([str(SCRIPT), "serve", str(export), "--port", str(http_port), "--grpc-port", str(grpc_port),
-                   "--device", "cpu"], folder)
+    proc = _start([str(SCRIPT), "serve", str(export), "--port", str(http_port), "--grpc-port", str(grpc_port)],
+                  folder)
+    proc.grpc_port = grpc_port
     try:
         _wait_ready(proc)
-        yield http_port, proc, _tritonserver(grpc_port)
+        yield http_port, proc, _tritonserver(proc.pid)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -401,16 +435,13 @@ def serving(export):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _tritonserver(grpc_port: int) -> int:
-    """The pid of the tritonserver process serving gRPC on ``grpc_port``."""
-    for entry in Path("/proc").iterdir():
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if args and args[0].endswith(b"tritonserver") and str(grpc_port).encode() in args:
-            return int(entry.name)
-    raise AssertionError(f"no tritonserver process with gRPC on {grpc_port}")
+def _tritonserver(serve_pid: int) -> int:
+    """The pid of the tritonserver process the ``serve`` process ``serve_pid`` started."""
+    for pid in descendants(serve_pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver":
+                return pid
+    raise AssertionError(f"no tritonserver process under {serve_pid}")
 
 
 def _mib(pid: int, key: str) -> int:
@@ -518,3 +549,142 @@ def test_serve_holds_bounded_memory_while_connections_attack(serving, record_pro
     print(f"serve: peak RSS {base} -> +{growth} MiB; good request {[round(t * 1000, 1) for t in latencies]} ms")
     assert growth < (front.SHARED_BUDGET_BYTES + 20 * front.SMALL_REQUEST_BYTES) // (1 << 20) + 64, growth
     assert max(latencies) < 5, latencies
+
+
+# -- another local user against a running `serve` ------------------------------------------------
+
+NOBODY = 65534
+
+
+def _listening_tcp() -> dict[int, int]:
+    """Every listening TCP socket of the machine, as any user reads it (``/proc/net/tcp``, ``tcp6``):
+    inode -> port."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """The sockets process ``pid`` holds (its file descriptors: readable by its own user only)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _private_sockets(triton: int) -> list[str]:
+    """The addresses tritonserver's command line (world-readable) names."""
+    args = [a.decode() for a in Path(f"/proc/{triton}/cmdline").read_bytes().split(b"\0") if a]
+    return [a.split("=", 1)[1] for a in args if a.startswith(("--http-address=", "--grpc-address="))]
+
+
+def _probe_as_another_user(triton: int, paths: list[str], shared: list[str], port: int) -> dict:
+    """In a child process switched to ``nobody``: what that user can do with what it can see."""
+    found: dict = {}
+
+    def attempt(key, action):
+        try:
+            found[key] = ["ok", action()]
+        except OSError as e:
+            found[key] = ["refused", errno.errorcode.get(e.errno, str(e.errno))]
+
+    def connect(path: str) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+        return "connected"
+
+    def request(method: str, target: str) -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request(method, target, body=b"{}" if method == "POST" else None)
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+    attempt("uid", lambda: os.getuid())
+    attempt("cmdline", lambda: len(Path(f"/proc/{triton}/cmdline").read_bytes()))
+    attempt("environ", lambda: len(Path(f"/proc/{triton}/environ").read_bytes()))
+    attempt("fds", lambda: len(os.listdir(f"/proc/{triton}/fd")))
+    for i, path in enumerate(paths):
+        attempt(f"socket {i}", lambda path=path: connect(path))
+        attempt(f"folder {i}", lambda path=path: len(os.listdir(Path(path).parent)))
+    for i, region in enumerate(shared):
+        attempt(f"shm {i}", lambda region=region: len(Path(region).read_bytes()))
+    attempt("front ready", lambda: request("GET", "/v2/health/ready"))
+    attempt("front load", lambda: request("POST", f"/v2/repository/models/{NAME}/load"))
+    attempt("front index", lambda: request("POST", "/v2/repository/index"))
+    return found
+
+
+def _as_user(uid: int, probe) -> dict:
+    """``probe()`` run in a forked child with ``uid`` (and its group) as its only identity; its result."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no gRPC, no pytest, only the probe, then out
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write, json.dumps(probe()).encode())
+        except BaseException as e:  # reported to the parent
+            os.write(write, json.dumps({"error": repr(e)}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_another_local_user_reaches_no_endpoint_but_the_fronts(serving):
+    """What another local user sees of a running ``serve`` (the process listing, ``/proc/net``,
+    ``/dev/shm``): tritonserver's command line names two Unix-domain sockets in a folder of mode
+    0700 owned by the serving user, and no TCP address; the only listening TCP sockets of serve's
+    processes are the two fronts, held by the ``serve`` process itself (tritonserver and the
+    backend's stubs hold none); the backend's shared memory is 0600. Then as that user (a child
+    of this test switched to ``nobody``; root only): the command line is readable but both
+    sockets refuse it (their folder does), the folder cannot be listed, the environment, file
+    descriptors and shared memory cannot be read, and the HTTP front answers health and refuses
+    the model-repository API (404), as it does for anyone."""
+    port, proc, triton = serving
+    paths = _private_sockets(triton)
+    assert len(paths) == 2 and all(p.startswith("unix:") for p in paths), paths
+    paths = [p[len("unix:"):] for p in paths]
+    sockets = [paths[0], paths[1] + ":0"]  # tritonserver appends ":<port>" to its gRPC address
+    folder = Path(paths[0]).parent
+    assert {Path(p).parent for p in sockets} == {folder}
+    info = folder.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid(), oct(info.st_mode)
+    assert all(stat.S_ISSOCK(Path(p).stat().st_mode) for p in sockets)
+    args = Path(f"/proc/{triton}/cmdline").read_bytes().split(b"\0")
+    assert not any(a.startswith((b"--http-port=", b"--grpc-port=")) and not a.endswith(b"=0") for a in args)
+    assert b"--allow-metrics=false" in args and b"--allow-sagemaker=false" in args and b"--allow-vertex-ai=false" in args
+    listening = _listening_tcp()
+    server_processes = [triton, *descendants(triton)]
+    for pid in server_processes:
+        assert not {listening[i] for i in _socket_inodes(pid) if i in listening}, (pid, "listens on TCP")
+    assert {listening[i] for i in _socket_inodes(proc.pid) if i in listening} == {port, proc.grpc_port}
+    prefix = next(a.decode().split("shm-region-prefix-name=", 1)[1] for a in args if b"shm-region-prefix-name=" in a)
+    shared = sorted(str(p) for p in Path("/dev/shm").glob(prefix + "*"))
+    assert shared and all(stat.S_IMODE(Path(p).stat().st_mode) == 0o600 for p in shared), shared
+    if os.getuid() != 0:
+        pytest.skip("switching to another user needs root (the listing above is what that user sees)")
+    found = _as_user(NOBODY, lambda: _probe_as_another_user(triton, sockets, shared, port))
+    assert "error" not in found, found
+    assert found["uid"] == ["ok", NOBODY] and found["cmdline"][0] == "ok", found
+    for key in ("environ", "fds", *(f"socket {i}" for i in range(2)), *(f"folder {i}" for i in range(2)),
+                *(f"shm {i}" for i in range(len(shared)))):
+        assert found[key][0] == "refused" and found[key][1] in ("EACCES", "EPERM"), (key, found[key])
+    assert found["front ready"] == ["ok", 200] and found["front load"] == ["ok", 404] \
+        and found["front index"] == ["ok", 404], found

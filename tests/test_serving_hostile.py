@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cli
+from helpers import cli, messages
 from helpers import resign, snapshot
 
 INTERNAL = 3
@@ -40,7 +40,7 @@ def _refused(proc, code: int, fragment: str) -> None:
 def _inspect_refused(proc, fragment: str) -> None:
     """``inspect``/``diff``: exit 2 and one line on stderr naming the problem."""
     _refused(proc, 2, fragment)
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert len(messages(proc.stderr)) == 1, proc.stderr
 
 
 def _triton_schema():

@@ -21,7 +21,7 @@ import pytest
 from conftest import FIXTURES_DIR, default_signals
 from policy_export.exporter.staging import check_target, lock_path, staged_directory
 from policy_export.policy import ExportError
-from helpers import cli, snapshot
+from helpers import cli, messages, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--formats", "saved_model", "--samples", "8", "--explore-samples", "0", "-q"]
@@ -44,7 +44,7 @@ def run_main(*args: str, cwd: Path | None = None) -> tuple[int, list[str], bool]
             "print('TF' if 'tensorflow' in sys.modules else 'noTF'); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd or ROOT)
-    return proc.returncode, proc.stderr.strip().splitlines(), proc.stdout.strip().splitlines()[-1] == "TF"
+    return proc.returncode, messages(proc.stderr), proc.stdout.strip().splitlines()[-1] == "TF"
 
 
 # ------------------------------------------------------------------------ 1. only what is ours
@@ -360,7 +360,7 @@ def test_sigterm_at_a_random_time_leaves_the_old_export_or_a_complete_new_one(tm
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM if run % 2 else signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
-    lines = stderr.strip().splitlines()
+    lines = messages(stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], stderr
     if proc.returncode == 130:
         assert len(lines) == 1 and "no partial export was left behind" in lines[0], stderr

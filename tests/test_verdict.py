@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import FIXTURES_DIR
-from helpers import cli
+from helpers import cli, messages
 
 # the groups a format's records are labelled with besides the space's samples
 GROUP = re.compile(r" \((explore|recorded|stepped \d+|stepped \d+ vs sequences)\)$")
@@ -119,12 +119,20 @@ def test_each_line_shows_its_formats_worst_error(reports, case):
         assert line.split()[1] == key and f" {shown} " in line, (line, key, shown)
 
 
-def test_a_narrow_console_folds_names_and_cuts_nothing(reports):
-    from policy_export.exporter.reports import verdict_table
+def test_a_narrow_console_wraps_at_spaces_and_cuts_nothing(reports):
+    """Narrower than the verdict's narrowest layout (48 columns), the table keeps every name whole
+    (it is then wider than the console: a name is never cut to fit)."""
+    from rich.console import Console
 
-    lines = render(verdict_table(reports("lstm")), 48)
-    assert all(len(line) <= 48 for line in lines) and "…" not in "\n".join(lines)
+    from policy_export.exporter.reports import print_verdict
+
+    console = Console(width=48, file=io.StringIO(), record=True)
+    print_verdict(console, reports("lstm"), "parity")
+    lines = console.export_text().splitlines()
+    words = {w for line in lines for w in line.split()}
+    assert set(formats_of(reports("lstm"))) <= words and "…" not in "\n".join(lines)
     assert sum(line.split()[-1] == "pass" for line in lines if line.split()) == len(formats_of(reports("lstm")))
+    assert all(len(line) <= 72 for line in lines) and not any(line.endswith(" ") for line in lines)
 
 
 def test_a_failed_format_is_failed_on_its_line(tmp_path):
@@ -180,7 +188,7 @@ def test_ratios_of_each_kind_of_check():
 
 def test_export_through_a_pipe_prints_80_columns_and_the_full_table_when_verbose(tmp_path):
     args = ("export", str(FIXTURES_DIR / "cartpole_mlp"), "--formats", "onnx,onnx_int8", *QUICK)
-    short = cli(*args, "--out", "o", cwd=tmp_path)  # a process whose stdout is a pipe
+    short = cli(*args, "--out", "o", cwd=tmp_path, narrow=True)  # a process whose stdout is a pipe
     assert short.returncode == 0, short.stderr
     lines, out = short.stdout.splitlines(), tmp_path / "o"
     # every line fits, but those naming the export: a path is kept whole (copied from the log)
@@ -188,25 +196,27 @@ def test_export_through_a_pipe_prints_80_columns_and_the_full_table_when_verbose
     assert "…" not in short.stdout and "┏" not in short.stdout and "max abs" not in short.stdout
     assert lines[0].startswith("parity: 50 samples vs the TF session (")
     assert [line.split()[0] for line in rows(lines)[:2]] == ["onnx", "onnx_int8"]
-    assert f"full table: --verbose, or {out / 'parity' / 'report.json'}" in lines
+    assert "full table: --verbose, or o/parity/report.json" in lines  # the path as typed
     stored = json.loads((tmp_path / "o" / "parity" / "report.json").read_text())
     assert {r["format"] for r in stored["records"]} >= {"onnx", "onnx (explore)"}
 
-    full = cli(*args, "--out", "v", "--verbose", cwd=tmp_path)
+    full = cli(*args, "--out", "v", "--verbose", cwd=tmp_path, narrow=True)
     assert full.returncode == 0, full.stderr
-    assert "┏" in full.stdout and "max abs" in full.stdout and "onnx (explore)" in full.stdout
+    assert "max abs" in full.stdout and "onnx (explore)" in full.stdout
+    assert all(len(line) <= 80 for line in full.stdout.splitlines())  # the full table too, its columns chosen
+    assert "left out: " in full.stdout  # ... and the columns left out at 80 named
     assert "full table:" not in full.stdout and "worst output" in full.stdout
 
 
 def test_verify_prints_the_verdict_and_names_the_report(exported, tmp_path):
     out = exported("mlp").path
-    done = cli("verify", str(out), "-q")
+    done = cli("verify", str(out), "-q", narrow=True)
     assert done.returncode == 0, done.stderr
     verdict = rows(done.stdout.split("plan: ")[0].splitlines())
     assert [line.split()[0] for line in verdict] == ["onnx", "onnx_int8"]
-    assert all(len(line) <= 80 for line in verdict) and "┏" not in done.stdout
+    assert all(len(line) <= 80 for line in verdict) and "max abs" not in done.stdout
     assert "full table: --verbose, or --report-json FILE" in done.stdout
     report = tmp_path / "verify.json"
-    done = cli("verify", str(out), "-q", "--verbose", "--report-json", str(report))
-    assert done.returncode == 0 and "┏" in done.stdout and "full table:" not in done.stdout
-    assert done.stdout.splitlines()[-1].startswith(f"verified {out}")
+    done = cli("verify", str(out), "-q", "--verbose", "--report-json", str(report), narrow=True)
+    assert done.returncode == 0 and "max abs" in done.stdout and "full table:" not in done.stdout
+    assert messages(done.stdout)[-1].startswith(f"verified {out}")

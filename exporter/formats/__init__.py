@@ -81,6 +81,12 @@ def with_capability(capability: str, among=None) -> list[Format]:
             and (chosen is None or f.name in chosen)]
 
 
+def localisation_graph() -> Format:
+    """The format whose TF graph failing ONNX models are localised against (capability ``localises``)."""
+    (graph,) = with_capability("localises")
+    return graph
+
+
 def paths() -> dict[str, str]:
     """Format name -> the path it writes inside an export."""
     return {f.name: f.path for f in all_formats()}

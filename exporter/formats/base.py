@@ -27,11 +27,19 @@ class Capabilities:
     - ``steps_state``: carries recurrent state in and out (stepped parity applies);
     - ``reference``: TensorFlow itself runs it, so fresh samples are compared against it;
     - ``onnx``: an ONNX model, localised against the frozen graph when it fails;
+    - ``localises``: the TF graph ONNX models are localised against (the frozen graph; one
+      format has it, :func:`exporter.formats.localisation_graph`);
     - ``needs_frozen_graph``: writing it uses the frozen graph;
     - ``default``: written when no formats are chosen;
     - ``lossy``: computes an approximation of the policy (quantised, float16), so it is held to
       behavioural thresholds (action agreement, Box error as a share of the range; see
-      :mod:`exporter.parity.behaviour`) instead of value-by-value tolerances.
+      :mod:`exporter.parity.behaviour`) instead of value-by-value tolerances;
+    - ``from_onnx``: can be written from an ONNX model alone, without TensorFlow: the export of a
+      policy exported elsewhere (``export MODEL.onnx --reference REF.npz``) writes it from that
+      model (:attr:`ExportContext.model_file`); the formats without it are made from the TF graph;
+    - ``base_model``: writes the policy's Keras base model, so a policy without one (every source
+      but a spec) cannot have it: named in ``--formats`` for such a source, it is refused before
+      TensorFlow loads.
     """
 
     signature: bool = True
@@ -39,9 +47,12 @@ class Capabilities:
     steps_state: bool = True
     reference: bool = False
     onnx: bool = False
+    localises: bool = False
     needs_frozen_graph: bool = False
     default: bool = True
     lossy: bool = False
+    from_onnx: bool = False
+    base_model: bool = False
 
 
 # the options of the formats that put the policy on a model server (triton, tf_serving): declared
@@ -128,6 +139,7 @@ class Format:
     # (a repository or ``tf_serving/`` holding one model); ``inspect_needs_tensorflow``: reading
     # its contract imports TensorFlow
     inspect_order: int | None = None
+    inspect_description: str = ""  # what ``inspect`` reads of it, for help texts: "a .onnx file"
     serving_layout: bool = False
     inspect_needs_tensorflow: bool = False
 
@@ -196,7 +208,12 @@ class FormatRecord:
 
 @dataclass
 class ExportContext:
-    """Inputs to every format writer. The frozen graph is made once, on first use."""
+    """Inputs to every format writer. The frozen graph is made once, on first use.
+
+    For a policy exported elsewhere there is no policy, no signature and no graph:
+    ``model_file`` is its ONNX model (passed through the ONNX door already), ``own_contract`` the
+    contract read from it and ``state_pairs`` its recurrent state (input, output fed back), and
+    only the formats of capability ``from_onnx`` are written."""
 
     policy: Any  # policy.TFPolicy
     signature: Any  # signatures.Signature
@@ -206,8 +223,16 @@ class ExportContext:
     external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD
     model_name: str = "policy"  # what model servers call it (Triton, TF Serving): a legal name
     model_version: int = 1
+    model_file: Path | None = None
+    own_contract: "Contract | None" = None
+    state_pairs: tuple[tuple[str, str], ...] = ()
     _frozen: Any = None
     _cache: dict = field(default_factory=dict)
+
+    @property
+    def contract(self) -> "Contract":
+        """The I/O contract the formats serve: the signature's, or the model file's."""
+        return self.own_contract if self.own_contract is not None else self.signature.contract
 
     def frozen_graph_def(self):
         """The frozen inference GraphDef holding every signature output (cached)."""

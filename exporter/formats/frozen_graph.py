@@ -15,7 +15,7 @@ class FrozenGraphFormat(Format):
     name = "frozen_graph"
     path = "frozen_graph.pb"
     order = 20
-    capabilities = Capabilities(reference=True)
+    capabilities = Capabilities(reference=True, localises=True)
 
     def write(self, ctx, target: Path):
         return write_frozen_graph(ctx, target)

@@ -31,6 +31,7 @@ class SavedModelFormat(Format):
         return TFGraphRunner.from_saved_model(path, device, contract=Contract.from_json(manifest["contract"]))
 
     inspect_order = 40
+    inspect_description = "a SavedModel directory"
     inspect_needs_tensorflow = True
 
     def find_model(self, path: Path) -> Path | None:

@@ -86,7 +86,7 @@ class Progress:
             self.times.append(float(result.get("seconds") or 0))
         detail = f" in {result.get('seconds', 0):.1f} s" if result["status"] != "skipped" else " (current)"
         why = f": {result['failures'][0]}" if result.get("failures") else ""
-        self.write(f"[{self._counts()}] {result['name']}: {result['status']}{detail}{why}"[:400])
+        self.write(_shortened(f"[{self._counts()}] {result['name']}: {result['status']}{detail}{why}", 400))
         self._show()
 
     def _show(self) -> None:
@@ -96,6 +96,15 @@ class Progress:
     def _counts(self) -> str:
         return (f"{self.done}/{self.total} done, {self.running} running, {self.failed} failed, "
                 f"{time.perf_counter() - self.start:.0f} s, ETA {self.eta()}")
+
+
+def _shortened(text: str, limit: int) -> str:
+    """``text`` whole when it has at most ``limit`` characters, else cut at the last space before
+    it, ``...`` added (a word or a path is never cut inside)."""
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit - 3)
+    return text[:cut if cut > 0 else limit - 3] + " ..."
 
 
 def _positive(value: Any) -> bool:

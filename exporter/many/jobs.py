@@ -170,9 +170,7 @@ def _source_jobs(entry: Mapping[str, Any], path: Path, source) -> list[tuple[str
     """
     from policy_export.errors import PolicyExportError
 
-    # RLlib's own directory names say nothing of the run: name it after the directory holding them
-    stem = path.parent.name if re.fullmatch(r"checkpoint(_\d+)?", path.name) else path.name
-    base = entry.get("name") or serving_name(stem)
+    base = entry.get("name") or serving_name(source.job_stem(path))
     wanted = entry.get("policy_id")
     if wanted is not None and not POLICY_NAME.fullmatch(wanted):
         raise InputError(f"policy id {wanted[:80]!r} of {path} is not a plain name (letters, digits, '_', '.', '-')")

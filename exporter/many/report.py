@@ -119,16 +119,40 @@ def markdown(results: Sequence[Mapping[str, Any]], title: str, seconds: float) -
     return "\n".join(lines) + "\n"
 
 
-def table(results: Sequence[Mapping[str, Any]], title: str):
-    from rich.table import Table
-    from rich.text import Text
+def table(results: Sequence[Mapping[str, Any]], title: str, width: int = 200):
+    """The terminal table at ``width`` (see :func:`print_report`, which prints it fitted)."""
+    from policy_export.exporter.screen import table as fitted
 
-    t = Table(title=title, title_justify="left")
-    for h in HEADERS:
-        t.add_column(h, overflow="fold")
-    for row in rows(results):
-        t.add_row(*(Text(c) for c in row))
-    return t
+    return fitted(_columns(), [row[:-1] for row in rows(results)], width)[0]
+
+
+def _columns():
+    from policy_export.exporter.screen import Column
+
+    return [Column("policy"), Column("status"), Column("time s", keep=3, justify="right", wraps=False),
+            Column("peak MiB", keep=1, justify="right", wraps=False),
+            Column("max parity err", keep=2, justify="right", wraps=False)]
+
+
+def print_report(console, results: Sequence[Mapping[str, Any]], title: str) -> None:
+    """``title``, one row per policy fitted to the console's width (policy, status, time, peak
+    memory, largest parity error), then what failed, one note per failed policy wrapped at the
+    width, and whose signatures were checked or made."""
+    from policy_export.exporter.screen import note, print_table, say
+
+    print_table(console, title, _columns(), [row[:-1] for row in rows(results)], more="--report-json")
+    for r in results:
+        if r["status"] not in ("passed", "skipped") and r.get("failures"):
+            note(console, f"{r['name']} {r['status']}", _what(r))
+    signed = [r for r in results if r.get("signature")]
+    if signed:
+        good = [r for r in signed if r["signature"].get("passed")]
+        signers = sorted({str(r["signature"].get("signer") or "") for r in good} - {""})
+        by = f" (signed by {'; '.join(signers)})" if signers else ""
+        if signed[0].get("kind") == "verify":
+            say(console, f"signatures checked: {len(good)} of {len(signed)} match{by}")
+        else:
+            say(console, f"signed: {len(good)} of {len(signed)} exports{by}")
 
 
 def write(path, text: str) -> None:

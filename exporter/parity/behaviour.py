@@ -10,7 +10,8 @@ sequences, feeding back its own state) and compared with the session's outputs:
   MultiBinary) the **agreement**, the share of rows whose action is identical to the session's;
   for Box leaves the **Box error**, the mean absolute error of the action as a fraction of the
   action range ``high - low`` (per component; where a bound is infinite, the range the session's
-  own actions span on the golden inputs), with the max and 99th percentile recorded beside it.
+  own actions span on the golden inputs, or the component's magnitude, at least 1, where they hold
+  it constant), with the max and 99th percentile recorded beside it.
 
 The thresholds (:class:`Thresholds`: ``min_agreement``, default 0.99; ``max_box_error``, default
 0.02) sit in the manifest (``behaviour``, one entry per lossy format) and are overridable per
@@ -143,7 +144,7 @@ class BehaviourCheck:
 
     def describe(self) -> str:
         if self.metric == "agreement":
-            what = (f"{self.value:.2%} of {self.samples} actions identical to the session's "
+            what = (f"{self.value:.2%} of {self.samples} actions identical to {self.extra.get('against', 'the session')}'s "
                     f"(at least {self.threshold:.2%} required)")
         elif self.metric == "box_error":
             what = (f"mean action error {self.value:.3%} of the action range over {self.samples} rows, "
@@ -170,22 +171,32 @@ def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, float]:
 
 def _action_ranges(space: gym.spaces.Box, ref: np.ndarray) -> np.ndarray:
     """The range of each component: ``high - low``, or where a bound is infinite the span of the
-    reference's own actions (at least the smallest positive float, so that a constant action divides)."""
+    reference's own actions (where they are constant, their magnitude, at least 1)."""
     low, high = np.asarray(space.low, np.float64), np.asarray(space.high, np.float64)
     bounded = np.broadcast_to(high - low, ref.shape[1:])
     flat = ref.astype(np.float64)
     observed = (flat.max(axis=0) - flat.min(axis=0)) if len(ref) else np.ones(ref.shape[1:])
-    ranges = np.where(np.isfinite(bounded), bounded, observed)
+    # a component the reference holds constant spans nothing: its own magnitude (at least 1) instead
+    magnitude = np.maximum(np.abs(flat).max(axis=0), 1.0) if len(ref) else np.ones(ref.shape[1:])
+    ranges = np.where(np.isfinite(bounded), bounded, np.where(observed > 0, observed, magnitude))
     return np.maximum(ranges, np.finfo(np.float64).tiny)
 
 
 def compare_behaviour(label: str, reference: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
-                      keys: Sequence[str], action_space: gym.Space, thresholds: Thresholds,
-                      stepped: bool = False) -> list[BehaviourCheck]:
+                      keys: Sequence[str], action_space: gym.Space | None, thresholds: Thresholds,
+                      stepped: bool = False, judged: Mapping[str, Any] | None = None) -> list[BehaviourCheck]:
     """The behavioural records of one format: every output's error statistics, and the judged
     agreement or Box error of each action output. Arrays are ``[rows, ...]``, or with ``stepped``
-    ``[steps, sequences, ...]`` (every step of every sequence is then a row)."""
-    spaces = {action_key(i): leaf.space for i, leaf in enumerate(leaves(action_space))}
+    ``[steps, sequences, ...]`` (every step of every sequence is then a row).
+
+    ``judged`` (output -> its gymnasium space, or ``"identical"`` for an action judged by
+    agreement) names the action outputs where they are not the action space's ``actions_<i>``
+    (a policy exported elsewhere); a Box without finite bounds is judged on the range the
+    reference's own actions span."""
+    if judged is not None:
+        spaces = dict(judged)
+    else:
+        spaces = {action_key(i): leaf.space for i, leaf in enumerate(leaves(action_space))} if action_space else {}
     out = []
     for key in keys:
         if key not in reference:
@@ -201,7 +212,7 @@ def compare_behaviour(label: str, reference: Mapping[str, np.ndarray], actual: M
                                       math.inf, math.inf, math.inf, {"problem": problem}))
             continue
         got = np.asarray(got)
-        space = spaces.get(key) if is_action(key) else None
+        space = spaces.get(key) if is_action(key) or judged is not None else None
         lead = 2 if stepped else 1  # [steps, sequences, ...] -> every step of every sequence is a row
         ref_rows = ref.reshape(-1, *ref.shape[lead:]) if ref.ndim >= lead else ref.reshape(1)
         got_rows = got.reshape(-1, *got.shape[lead:]) if got.ndim >= lead else got.reshape(1)

@@ -97,6 +97,14 @@ class ParityPlan:
     def golden_outputs(self) -> dict[str, np.ndarray]:
         return self.golden.outputs if self.golden is not None else {}
 
+    @property
+    def rows(self) -> int:
+        """The rows the plan's first group holds: the golden inputs, else the recording's."""
+        if self.golden is not None:
+            return len(next(iter(self.golden.inputs.values()), ()))
+        reference = self.reference
+        return reference.recorded_rows if reference is not None else 0
+
     def describe(self) -> list[str]:
         """One line per group: what is replayed, or why a part is absent."""
         lines = []
@@ -104,7 +112,7 @@ class ParityPlan:
             group = self.groups.get(cls.name)
             if group is not None:
                 lines += group.describe()
-            elif cls.name in ("exploration", "stepped"):
+            elif cls.name in ("exploration", "stepped") and self.golden is not None:
                 lines.append(f"{cls.name}: none in the plan")
         return lines
 

@@ -160,6 +160,45 @@ def check_paths(paths: Sequence[str | Path] | None) -> list[Path] | None:
     return [Path(p) for p in paths]
 
 
+def check_fit(paths: Sequence[str | Path] | None, observation_space) -> None:
+    """Before TensorFlow loads: the observations each file holds have the shape the policy's
+    ``observation_space`` takes, read from the files' headers (the array a file gives for each
+    observation input: the one named as the input, RLlib's ``obs``, or a file's single array);
+    what this cannot decide (a multi-agent file, a name it does not know) is left to
+    :func:`read_recorded`.
+
+    Raises:
+        InputError: a file whose rows have another shape, naming it, the space (``Box(4,)``) and
+            the shapes.
+    """
+    if not paths or observation_space is None:
+        return
+    from policy_export.exporter.recorded.checks import observation_leaves
+    from policy_export.exporter.recorded.rllib_json import PolicyNotNamed
+    from policy_export.policy.spaces import leaf_shape, space_text
+
+    leaves = observation_leaves(observation_space)
+    for p in paths:
+        try:
+            file = open_file(Path(p), share=len(paths))
+        except PolicyNotNamed:
+            continue
+        names = [n for n, c in file.columns.items() if not c.optional]
+        for key, space in leaves.items():
+            column = key if key in file.columns else None
+            if column is None and len(leaves) == 1:
+                column = "obs" if "obs" in file.columns else (names[0] if len(names) == 1 else None)
+            if column is None:
+                continue
+            have, want = tuple(file.columns[column].shape), tuple(leaf_shape(space))
+            if have != want:
+                where = "" if column == key or len(file.columns) == 1 else f" ({column})"
+                of = "" if len(leaves) == 1 else f" for {key}"
+                raise InputError(f"--observations {p}{where}: rows of shape {list(have)}; the observation space"
+                                 f"{of} is {space_text(observation_space if len(leaves) == 1 else space)}, "
+                                 f"rows of {list(want)}")
+
+
 # ----------------------------------------------------------------------------- reading
 
 

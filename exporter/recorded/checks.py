@@ -60,7 +60,9 @@ def take(column: Column, rows: np.ndarray, space: gym.Space | None, spec: Any, w
     """
     want = tuple(leaf_shape(space)) if space is not None else tuple(d for d in spec.shape[1:])
     if space is not None and column.shape != want:
-        raise InputError(f"{where}: rows of shape {list(column.shape)}; the space {space} takes {list(want)}")
+        from policy_export.policy.spaces import space_text
+
+        raise InputError(f"{where}: rows of shape {list(column.shape)}; the space {space_text(space)} takes {list(want)}")
     if space is None and (len(column.shape) != len(want)
                           or any(d is not None and d != c for d, c in zip(want, column.shape))):
         raise InputError(f"{where}: rows of shape {list(column.shape)}; the input takes {spec.shape_text()}")

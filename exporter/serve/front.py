@@ -1,6 +1,6 @@
 """The HTTP side of ``serve``: a KServe v2 front that checks each request before the Triton server
-(listening on a private loopback port) sees it, relays the server's answer, and bounds what any
-number of clients can make it hold.
+(listening on a private Unix-domain socket, :mod:`exporter.serve.repository`) sees it, relays the
+server's answer, and bounds what any number of clients can make it hold.
 
 ``tritonserver`` (2.51, PyTriton's) allocates an input's bytes from the shape a JSON request
 declares before it checks the shape against the model (a 100-byte request declaring
@@ -17,7 +17,9 @@ value, and answers several client errors with 500. Every request therefore passe
 
 Everything else is answered here with ``{"error": ...}`` and the status that says why (400, 404,
 408, 411, 413, 414, 415, 417, 431, 501, 503, 505) and never reaches the server; the management
-APIs (model loading, shared memory, logging, tracing) cannot be reached through it at all.
+APIs (model loading, shared memory, logging, tracing) cannot be reached through it at all. A
+model's ``/config`` is answered as Triton's ONNX Runtime backend would have it: without the
+``runtime`` that names the stand-in (:func:`as_onnxruntime_config`).
 
 What clients can make the front hold is bounded, whatever their number (:class:`Limits`):
 
@@ -46,6 +48,7 @@ import re
 import socket
 import socketserver
 import threading
+from pathlib import Path
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +77,7 @@ SEND_TIMEOUT_S = 30.0
 BACKEND_TIMEOUT_S = 600.0
 LINGER_S, LINGER_BYTES = 2.0, 256 << 10  # what is read of a refused body before its connection closes
 RECV_BYTES = 64 << 10
+ONE_WRITE_BYTES = 64 << 10  # a body up to this size goes to the server in the same write as its head
 POLL_S = 0.1  # how soon the accept loop sees a stop
 PATH = re.compile(r"/v2(?:/health/(?P<health>live|ready)|/models/(?P<model>[A-Za-z0-9_.-]{1,128})"
                   r"(?:/versions/[0-9]{1,19})?(?P<what>/ready|/config|/infer)?)?")
@@ -301,8 +305,7 @@ class _Connection:
         if not match or (head.method == "POST") != infer:
             raise Refused(404, f"{head.method} {head.target[:100]} is not served here", close=unread)
         if model is not None and model not in self.front.models:
-            raise Refused(404, f"unknown model {clip(model)}; this server serves {', '.join(self.front.models)}",
-                          close=unread)
+            raise Refused(404, f"Request for unknown model: {clip(model)} is not found", close=unread)
         if not infer and unread:
             raise Refused(400, f"{head.method} takes no body here", close=True)
         if infer and (head.get("content-encoding") or "identity").lower() != "identity":
@@ -371,8 +374,7 @@ class _Connection:
 
     def _send_backend(self, head: Head, body: bytearray | None) -> tuple[int, dict[str, str], bytes]:
         if self.backend is None:
-            self.backend = http.client.HTTPConnection("127.0.0.1", self.front.backend_port,
-                                                      timeout=self.limits.backend_timeout_s)
+            self.backend = backend_connection(self.front.backend, self.limits.backend_timeout_s)
         backend = self.backend
         backend.putrequest(head.method, head.target, skip_accept_encoding=True)
         for name in FORWARDED:
@@ -381,12 +383,17 @@ class _Connection:
                 backend.putheader(name, value)
         if body is not None:
             backend.putheader("Content-Length", str(len(body)))
-        backend.endheaders()
-        if body:
-            backend.send(memoryview(body))
+        if body and len(body) <= ONE_WRITE_BYTES:  # head and body in one write: one wake-up of the server
+            backend.endheaders(bytes(body))
+        else:
+            backend.endheaders()
+            if body:
+                backend.send(memoryview(body))
         response = backend.getresponse()
         data = response.read()
         headers = {name: response.headers[name] for name in FORWARDED if name in response.headers}
+        if response.status == 200 and head.method == "GET" and head.target.endswith("/config"):
+            data = as_onnxruntime_config(data)
         return response.status, headers, data
 
     def _close_backend(self) -> None:
@@ -434,6 +441,48 @@ def _error(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+STAND_IN_RUNTIME = "model.py"  # the runtime Triton's core records for a Python-based backend
+
+
+def as_onnxruntime_config(data: bytes) -> bytes:
+    """A model config as tritonserver answers it (JSON), as the ONNX Runtime backend would have it:
+    ``runtime`` empty instead of the stand-in's ``model.py`` (Triton's core names the runtime of a
+    Python-based backend; a C++ backend's is left empty); anything else unchanged."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(doc, dict) or doc.get("runtime") != STAND_IN_RUNTIME:
+        return data
+    doc["runtime"] = ""
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """An HTTP connection over a Unix-domain socket (the server's private endpoint)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def backend_connection(backend: int | str | Path, timeout: float) -> http.client.HTTPConnection:
+    """A connection to the server's HTTP endpoint: a port on 127.0.0.1, or a Unix-domain socket's path."""
+    if isinstance(backend, int):
+        return http.client.HTTPConnection("127.0.0.1", backend, timeout=timeout)
+    return _UnixConnection(str(backend), timeout)
+
+
 def _title(name: str) -> str:
     return "-".join(part.capitalize() for part in name.split("-"))
 
@@ -445,10 +494,10 @@ class _Server(socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], backend_port: int, models: dict[str, ServedModel],
+    def __init__(self, address: tuple[str, int], backend: int | str | Path, models: dict[str, ServedModel],
                  limits: Limits):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.backend_port, self.models, self.limits = backend_port, models, limits
+        self.backend, self.models, self.limits = backend, models, limits
         self.budget = _Budget(limits.shared_budget_bytes)
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
@@ -512,11 +561,11 @@ def _refuse_at_once(sock: socket.socket) -> None:
 
 class RequestFront:
     """The front on ``host:port`` (0: a free port, then :attr:`port`) for the server's HTTP endpoint
-    on loopback ``backend_port``."""
+    ``backend``: the path of its Unix-domain socket, or a port on 127.0.0.1."""
 
-    def __init__(self, host: str, port: int, backend_port: int, models: Sequence[ServedModel],
+    def __init__(self, host: str, port: int, backend: int | str | Path, models: Sequence[ServedModel],
                  limits: Limits = Limits()):
-        self._server = _Server((host, port), backend_port, {m.name: m for m in models}, limits)
+        self._server = _Server((host, port), backend, {m.name: m for m in models}, limits)
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, args=(POLL_S,),
                                         name="policy-export-http-front", daemon=True)

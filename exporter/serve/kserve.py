@@ -123,7 +123,7 @@ def check_infer(model: ServedModel, body: bytes | bytearray | memoryview, header
     binary_sizes: list[tuple[Wire, int]] = []
     total = 0
     for item in inputs:
-        wire, size, nbytes = _input(model, wires, item, len(body), seen)
+        wire, size, nbytes = _input(model, wires, item, len(body), seen, log_request(doc))
         total += nbytes
         if total > MAX_TENSOR_BYTES:
             raise Refused(413, f"the request's inputs are {total} bytes, more than the {MAX_TENSOR_BYTES} served "
@@ -240,10 +240,18 @@ def _of_kind(value: Any, kind: str | None) -> bool:
     return isinstance(value, (bool, float, str)) or _is_int(value) and INT64[0] <= value <= INT64[1]
 
 
+def log_request(doc: dict) -> str:
+    """What tritonserver puts before a request's errors: ``[request id: ID] `` (``<id_unknown>``
+    for a request without an ``id``)."""
+    return f"[request id: {doc.get('id') or '<id_unknown>'}] "
+
+
 def _input(model: ServedModel, wires: dict[str, Wire], item: Any, body_bytes: int,
-           seen: set[str]) -> tuple[Wire, int | None, int]:
+           seen: set[str], prefix: str = "") -> tuple[Wire, int | None, int]:
     """One input checked; returns its wire, its ``binary_data_size`` (``None`` for JSON data) and
-    its bytes as the server allocates them."""
+    its bytes as the server allocates them. Past the checks of its form, in tritonserver's own
+    order and words (``prefix``: :func:`log_request`): a batch dimension, the batch size, the data
+    type, the dims."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise Refused(400, "an input of the request is not an object with a name")
     name = item["name"]
@@ -253,8 +261,7 @@ def _input(model: ServedModel, wires: dict[str, Wire], item: Any, body_bytes: in
         raise Refused(400, f"input {clip(name)}: 'shape' must be a list of at most {MAX_RANK} non-negative integers")
     wire = wires.get(name)
     if wire is None:
-        raise Refused(400, f"unexpected inference input {clip(name)} for model {model.name!r} (it takes "
-                           f"{', '.join(wires)})")
+        raise Refused(400, f"unexpected inference input {clip(name)} for model {model.name!r}")
     count = math.prod(shape)
     if count > body_bytes:  # every element takes at least a byte, in JSON or in binary data
         raise Refused(400, f"input {name!r}: shape {shape} declares {count} elements, more than the "
@@ -263,12 +270,19 @@ def _input(model: ServedModel, wires: dict[str, Wire], item: Any, body_bytes: in
         raise Refused(400, f"input {name!r} already exists in request")
     seen.add(name)
     datatype, size = DATATYPES[np.dtype(wire.spec.dtype).name]
+    if model.batched:
+        if not shape:
+            raise Refused(400, f"{prefix}input {name!r} has no shape but model requires batch dimension for "
+                               f"{model.name!r}")
+        if shape[0] > model.max_batch_size:
+            raise Refused(400, f"{prefix}inference request batch-size must be <= {model.max_batch_size} for "
+                               f"{model.name!r}")
     if item.get("datatype") != datatype:
         got = item.get("datatype")
         shown = clip(got) if isinstance(got, str) else f"a JSON {type(got).__name__}"
-        raise Refused(400, f"inference input {name!r} data-type is {shown}, but model {model.name!r} expects "
+        raise Refused(400, f"{prefix}inference input {name!r} data-type is {shown}, but model {model.name!r} expects "
                            f"{datatype!r}")
-    _check_dims(model, name, wire.dims, shape)
+    _check_dims(model, name, wire.dims, shape, prefix)
     nbytes = count * size
     if nbytes > MAX_TENSOR_BYTES:
         raise Refused(413, f"input {name!r}: shape {shape} of {datatype} is {nbytes} bytes, more than the "
@@ -287,14 +301,23 @@ def _input(model: ServedModel, wires: dict[str, Wire], item: Any, body_bytes: in
     return wire, None, nbytes
 
 
-def _check_dims(model: ServedModel, name: str, dims: Sequence[int], shape: list[int]) -> None:
-    """The shape of an input ``model`` takes against its declared ``dims`` (Triton's own messages)."""
+BATCH_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
+              "prepended to each input shape. If you want to specify the full shape including the batch dim in "
+              "your input dims config, try setting max_batch_size to zero. See the model configuration docs for "
+              "more info on max_batch_size.")
+
+
+def _dims_text(dims: Sequence[int]) -> str:
+    return "[" + ",".join(str(int(d)) for d in dims) + "]"
+
+
+def _check_dims(model: ServedModel, name: str, dims: Sequence[int], shape: list[int], prefix: str = "") -> None:
+    """The shape of an input ``model`` takes against its declared ``dims``, in tritonserver's words
+    (``InferenceRequest::Normalize``)."""
     expected = ([-1] if model.batched else []) + list(dims)
     if len(shape) != len(expected) or any(e >= 0 and d != e for d, e in zip(shape, expected)):
-        raise Refused(400, f"unexpected shape for input {name!r} for model {model.name!r}. Expected {expected}, "
-                           f"got {shape}")
-    if model.batched and shape[0] > model.max_batch_size:
-        raise Refused(400, f"inference request batch-size must be <= {model.max_batch_size} for {model.name!r}")
+        raise Refused(400, f"{prefix}unexpected shape for input {name!r} for model {model.name!r}. Expected "
+                           f"{_dims_text(expected)}, got {_dims_text(shape)}. {BATCH_NOTE if model.batched else ''}")
 
 
 def _check_data(name: str, data: Any, dtype: str, datatype: str, count: int) -> None:

@@ -1,7 +1,8 @@
-"""What ``serve`` puts behind a model server: the export's models as Triton sees them.
-
-An export is served as the written ``triton/`` repository lays it out (see
-:mod:`exporter.formats.triton`), so a client of one is a client of the other:
+"""The models a Triton server serves, as its clients see them: :meth:`ServedModel.from_config`
+reads them from a repository's ``config.pbtxt`` (what ``serve`` serves, and what its HTTP front
+checks each request against); :func:`plan_models` lays an export's contract out the way the
+written ``triton/`` repository does, for the PyTriton route the serving benchmark compares
+(``benchmarks/pytriton_route.py``):
 
 - ``NAME``: batched on the first dimension (dynamic batching), deterministic, the contract's
   required inputs alone (``seq_lens`` is made in the server: one step per request) and every
@@ -11,8 +12,8 @@ An export is served as the written ``triton/`` repository lays it out (see
   ones (``explore``, ``is_training``, ``timestep``) as optional inputs, each scalar one value
   ``[1]``; every tensor in the contract's own shape otherwise.
 
-Recurrent policies keep their state in the client: ``state_in_i`` in, ``state_out_i`` out
-(PyTriton has no sequence batcher, and Triton's Python backend does not carry implicit state).
+On the PyTriton route recurrent policies keep their state in the client: ``state_in_i`` in,
+``state_out_i`` out (PyTriton has no sequence batcher).
 
 :class:`ServedModel` turns a request's arrays into contract feeds and the engine's outputs back;
 :func:`plan_models` decides the models from the export's contract and engine.
@@ -33,6 +34,7 @@ from policy_export.signatures.keys import EXPLORE, SEQ_LENS
 from policy_export.exporter.defaults import TRITON_MAX_BATCH_SIZE as DEFAULT_MAX_BATCH_SIZE
 
 EXPLORE_SUFFIX = "_explore"
+MAX_ROWS_UNBATCHED = 1 << 31  # a model that does not batch: its dims bound a request, not a row count
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,42 @@ class ServedModel:
     outputs: tuple[Wire, ...]
     fills_seq_lens: bool = False
     max_rows: int = DEFAULT_MAX_BATCH_SIZE  # rows one request may hold (a model that does not batch too)
+    sequence: bool = False  # sequence batching: the server keeps each sequence's state
+    states: tuple[tuple[str, str], ...] = ()  # sequence batching: (state input, the output fed back)
 
     @property
     def batched(self) -> bool:
         return self.max_batch_size > 0
+
+    @property
+    def samples(self) -> bool:
+        """The sampling model (``NAME_explore``), not the serving one."""
+        return self.name.endswith(EXPLORE_SUFFIX)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ServedModel":
+        """The model a Triton ``ModelConfig`` (parsed with Triton's schema) declares: its inputs
+        (optional ones marked) and outputs with their data types and ``dims`` (without the batch
+        dimension when it batches), as a client sends and receives them; sequence controls and
+        implicit state are the server's, not the client's.
+
+        Raises:
+            InputError: a data type with no numpy dtype.
+        """
+        from policy_export.exporter.formats.triton.config import numpy_dtype
+
+        batch = (None,) if config.max_batch_size > 0 else ()
+
+        def wire(io, optional: bool = False) -> Wire:
+            dims = tuple(int(d) for d in io.dims)
+            spec = TensorSpec(io.name, numpy_dtype(io.data_type), batch + tuple(None if d < 0 else d for d in dims),
+                              required=not optional)
+            return Wire(spec, dims, optional=optional)
+
+        return cls(config.name, int(config.max_batch_size), tuple(wire(i, i.optional) for i in config.input),
+                   tuple(wire(o) for o in config.output), max_rows=int(config.max_batch_size) or MAX_ROWS_UNBATCHED,
+                   sequence=config.HasField("sequence_batching"),
+                   states=tuple((s.input_name, s.output_name) for s in config.sequence_batching.state))
 
     def feeds(self, request: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The contract feeds of one request (or of a batch of requests concatenated).
@@ -114,25 +148,6 @@ class ServedModel:
             out[wire.key] = value.reshape(-1, 1) if wire.per_row else (value.reshape(1) if wire.scalar else value)
         return out
 
-    def request_arrays(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """The arrays a client sends for contract ``feeds`` (the inverse of :meth:`feeds`)."""
-        arrays = {}
-        for wire in self.inputs:
-            if wire.key not in feeds:
-                continue
-            value = np.asarray(feeds[wire.key], dtype=wire.spec.dtype)
-            arrays[wire.key] = value.reshape(1) if wire.scalar else (value.reshape(-1, 1) if wire.per_row else value)
-        return arrays
-
-    def contract_outputs(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A response's arrays in the contract's shapes (the inverse of :meth:`response`)."""
-        out = {}
-        for wire in self.outputs:
-            if wire.key in arrays:
-                value = np.asarray(arrays[wire.key])
-                out[wire.key] = value.reshape(-1) if wire.per_row else (value.reshape(()) if wire.scalar else value)
-        return out
-
 
 def _exact_dtype(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``value`` with exactly ``dtype``'s type: an equivalent one (``longlong`` for ``int64``) is
@@ -158,19 +173,3 @@ def plan_models(contract: Contract, engine_inputs: set[str], engine_outputs: lis
                                   + tuple(_wire(s, False, optional=True) for s in optional),
                                   tuple(_wire(s, False) for s in outputs), fills, max_batch_size))
     return models
-
-
-def choose(models: list[ServedModel], feeds: Mapping[str, Any], contract: Contract) -> ServedModel:
-    """The model a client sends ``feeds`` to: the batched one unless an optional input is fed a
-    value other than its default (:meth:`Contract.non_default_inputs`).
-
-    Raises:
-        InputError: such a value where the server has no sampling model.
-    """
-    switched = contract.non_default_inputs(feeds)
-    if not switched:
-        return models[0]
-    sampling = next((m for m in models if not m.batched), None)
-    if sampling is None:
-        raise InputError(f"input {switched[0]!r} can only be its default here (the server has no sampling model)")
-    return sampling

@@ -1,19 +1,24 @@
-"""``policy-export serve``: an export behind a real Triton Inference Server, through PyTriton.
+"""``policy-export serve``: an export's own ``triton/`` repository on a real Triton Inference Server,
+behind the package's two fronts, so that a client of ``serve`` is a client of the repository.
 
-PyTriton starts the ``tritonserver`` its wheel ships (HTTP and gRPC, KServe v2) with a Python
-backend that hands each request to this process, where the export's own model runs (ONNX Runtime
-on ``model.onnx``; the SavedModel where the export has no ONNX model). The export's files are
-checked against its manifest first: a file that fails its hash is never loaded. HTTP requests
-pass through :mod:`exporter.serve.front`, which refuses a request the server could not survive (a
-declared shape with more elements than the request has bytes) and every API but health, metadata
-and inference; gRPC goes to the server, whose management APIs PyTriton closes behind a random key.
-A ``host`` other than loopback is logged as a warning: there is no authentication.
+- The repository is the export's ``triton/``, exactly as written (names, versions, batching, the
+  dynamic batcher, sequence batching with implicit state), or, for an export without the
+  ``triton`` format, the one ``export --formats triton`` writes from the export's SavedModel,
+  written first into the server's workspace (parity proven as for every export).
+- ``tritonserver`` (PyTriton's) loads it with the package's stand-in for the ONNX Runtime backend
+  (:mod:`exporter.serve.repository`, :mod:`exporter.serve.standin_model`): no model file the
+  export brings is run, and every config is Triton's own reading of the file.
+- Clients reach it through the fronts only: HTTP (:mod:`exporter.serve.front`: every request
+  checked before the server sees it) and gRPC (:mod:`exporter.serve.grpc_front`), on ``host``;
+  the server's own endpoints are Unix-domain sockets in a folder only the serving user may enter.
+  A ``host`` other than loopback is logged as a warning: there is no authentication.
 
     with TritonServer.start("out/cartpole", http_port=8000, grpc_port=8001) as server:
         server.endpoints()   # {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
+        [m.name for m in server.models]   # the repository's models: ["cartpole_mlp", "cartpole_mlp_explore"]
 
 Stopping (leaving the ``with``, Ctrl-C or SIGTERM in :func:`serve_forever`, or an interrupt while
-it starts or stops) stops the server process and removes its workspace
+it starts or stops) stops the fronts and the server's processes and removes the workspace
 (:mod:`exporter.serve.workspace`).
 """
 
@@ -22,57 +27,43 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-import os
 import signal
 import socket
+import subprocess
 import sys
-import sysconfig
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from policy_export.errors import ExportError, InputError, PolicyExportError
 from policy_export.exporter import formats as registry
 from policy_export.exporter import manifest
-from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.serve import workspace as workspaces
-from policy_export.exporter.serve.models import DEFAULT_MAX_BATCH_SIZE, ServedModel, plan_models
-from policy_export.signatures.contract import Contract
+from policy_export.exporter.serve.models import ServedModel
+from policy_export.exporter.serve.repository import HOST, INSTALL_HINT, RepositoryServer
 
 log = logging.getLogger(__name__)
 
-# the formats that can stand behind the server, in order of preference
-ENGINES = ("onnx", "onnx_deterministic", "saved_model")
-INSTALL_HINT = 'install the serve extra: pip install "policy-export[serve]"'
-HOST = "127.0.0.1"
-# tritonserver's APIs no client of an export needs (model loading with uploaded files, shared
-# memory, logging and trace files, statistics): closed behind a random key no one is told
-RESTRICTED_APIS = "shared-memory,model-repository,statistics,trace,logging"
+__all__ = ["HOST", "INSTALL_HINT", "OPEN_WARNING", "Repository", "TritonServer", "check_ports_free", "free_port",
+           "is_loopback", "serve_forever"]
+
 OPEN_WARNING = ("serving on {host}: anyone who can reach ports {ports} can send requests to the model "
                 "(there is no authentication); use 127.0.0.1 unless the network is trusted")
-
-
-def import_pytriton():
-    """PyTriton's modules, or an :class:`InputError` naming the extra to install."""
-    from policy_export.exporter.compat import require
-
-    require(("pytriton", "tritonclient"), "serve", "serving with Triton")
-    from pytriton import model_config, triton
-
-    return triton, model_config
+TRITON = "triton"
+SAVED_MODEL = "saved_model"
+WRITE_TIMEOUT_S = 1800.0  # writing the repository of an export without one (a TensorFlow export)
 
 
 def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
     """Raises InputError naming the first of ``ports`` (what -> port) something already listens on,
-    before the server is started (tritonserver would exit, and PyTriton wait for it)."""
+    before the server is started."""
     for what, port in ports.items():
         if not 0 < port < 65536:
             raise InputError(f"{what} port {port} is not a port number")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
@@ -90,40 +81,6 @@ def free_port(host: str = HOST) -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass
-class Engine:
-    """The export's model that answers requests, with a lock per call (one session)."""
-
-    format: str
-    runner: Any
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with self.lock:
-            return self.runner(feeds)
-
-
-def open_engine(out: Path, doc: Mapping[str, Any], device: str = "cpu") -> Engine:
-    """The first of :data:`ENGINES` the export holds, its files checked against the manifest.
-
-    Raises:
-        InputError: files that fail the check, or no format that can be served.
-    """
-    check = manifest.check_files(out, doc, registry.paths())
-    if check.problems:
-        raise InputError(f"{out}: not served, its files do not match its manifest: " + "; ".join(check.problems[:5]))
-    for name in ENGINES:
-        if name in doc["formats"]:
-            fmt = registry.get(name)
-            return Engine(name, fmt.open(out / fmt.path, doc, plan_devices(device)))
-    raise InputError(f"{out} holds none of {', '.join(ENGINES)}; export one of them to serve it")
-
-
-def _explores(engine: Engine, doc: Mapping[str, Any]) -> bool:
-    fmt = registry.get(engine.format)
-    return fmt.explores((doc.get("formats") or {}).get(engine.format)) and fmt.capabilities.explores
-
-
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is a loopback address (or ``localhost``)."""
     if host == "localhost":
@@ -134,80 +91,188 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Repository:
+    """The repository ``serve`` loads: its folder, the manifest record of the ``triton`` format that
+    wrote it, and whether ``serve`` wrote it (the export had no ``triton`` format)."""
+
+    path: Path
+    info: Mapping[str, Any]
+    written: bool
+
+
+def batched_model(info: Mapping[str, Any]) -> str | None:
+    """The name of the serving model a triton record lists (the batched one, or the one a model
+    exported elsewhere is served as; ``None``: none)."""
+    from policy_export.exporter.formats.triton.runner import serving_model
+
+    models = info.get("models") if isinstance(info, Mapping) else None
+    if not isinstance(models, Mapping):
+        return None
+    return serving_model(models)
+
+
+def repository_of(out: Path, doc: Mapping[str, Any], work: Path, model_name: str | None = None) -> Repository:
+    """The export's ``triton/`` repository, or the one the triton format writes from the export's
+    SavedModel into ``work`` (named ``model_name``, by default the policy's name).
+
+    Raises:
+        InputError: ``model_name`` other than the repository's, or neither a repository nor a SavedModel.
+    """
+    formats = doc.get("formats") or {}
+    if TRITON in formats:
+        info = formats[TRITON]
+        name = batched_model(info)
+        if model_name is not None and model_name != name:
+            raise InputError(f"{out}'s triton/ repository names its model {str(name)[:130]!r}; serve serves it as "
+                             f"written (--model-name names the model of a repository serve writes, for an export "
+                             "without the triton format)")
+        return Repository(out / TRITON, info, written=False)
+    if SAVED_MODEL not in formats:
+        raise InputError(f"{out} holds no triton/ repository and no saved_model/ to write one from; export it with "
+                         "--formats triton (or with its saved_model) to serve it")
+    target = work / "export"
+    log.info("%s has no triton/ repository: writing it into %s", out, target)
+    write_repository(out, target, model_name)
+    written = manifest.read_manifest(target)
+    if TRITON not in written["formats"]:
+        raise ExportError(f"the triton repository for {out} could not be written")
+    return Repository(target / TRITON, written["formats"][TRITON], written=True)
+
+
+def write_repository(out: Path, target: Path, model_name: str | None = None) -> None:
+    """``policy-export convert OUT --out TARGET --formats triton``: the export exported again from its
+    SavedModel with the triton format (parity checked), in a process of its own, so that TensorFlow
+    is never loaded into the serving process.
+
+    Raises:
+        InputError: the command refused its input (exit 2). ExportError: it failed (its last line).
+    """
+    command = [sys.executable, "-m", "policy_export", "convert", str(out), "--out", str(target), "--formats", TRITON,
+               "--device", "cpu", "-q"]
+    if model_name is not None:
+        command += ["--model-name", model_name]
+    run = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=WRITE_TIMEOUT_S,
+                         preexec_fn=workspaces.die_with_parent)
+    if run.returncode != 0:
+        lines = [line for line in run.stderr.splitlines() if line.strip()] or [f"exit {run.returncode}"]
+        message = f"the triton repository for {out} could not be written: {lines[-1][:500]}"
+        raise (InputError if run.returncode == 2 else ExportError)(message)
+
+
 class TritonServer:
-    """A running Triton server (PyTriton) serving one export; a context manager that stops it.
+    """A running ``serve``: the repository's server and the HTTP and gRPC fronts before it; a context
+    manager that stops them.
 
-    HTTP requests reach it through :class:`~exporter.serve.front.RequestFront` on ``host:http_port``
-    (the server's own HTTP endpoint listens on a private loopback port); gRPC requests go to the
-    server on ``host:grpc_port``."""
+    Attributes:
+        models: each served model as its config declares it (the batched model first).
+        repository: the :class:`Repository` loaded.
+    """
 
-    def __init__(self, out: Path, models: list[ServedModel], engine: Engine, parts: tuple[Any, Any, Path],
+    def __init__(self, out: Path, repository: Repository, server: RepositoryServer, fronts: tuple[Any, Any],
                  host: str, ports: Mapping[str, int]):
-        self.out, self.models, self.engine = out, models, engine
-        self._triton, self._front, self._workspace = parts
+        self.out, self.repository, self._server, self._work = out, repository, server, server.work
+        self._pid = server.process.pid
+        self.models = sorted((ServedModel.from_config(c) for c in server.configs.values()),
+                             key=lambda m: (m.samples, m.name))
+        self._http, self._grpc = fronts
         self.host, self.ports = host, dict(ports)
 
     @classmethod
     def start(cls, out: str | Path, http_port: int = 8000, grpc_port: int = 8001, host: str = HOST,
-              model_name: str = "policy", max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-              device: str = "cpu", queue_delay_us: int = 100) -> "TritonServer":
-        """Check the export, start the server and wait until it is ready (a warning is logged when
+              model_name: str | None = None) -> "TritonServer":
+        """Check the export, load its repository (writing it first where the export has none), start
+        the server and the fronts and wait until every model is ready (a warning is logged when
         ``host`` is not a loopback address).
 
         Raises:
-            InputError: not an export, files that fail their check, a busy port, no PyTriton.
-            ExportError: the server did not start (its log's last lines named).
+            InputError: not an export, files that fail their check, a repository the package did not
+                write, a busy port, no PyTriton.
+            ExportError: the server did not start or refused the repository (its log's errors named).
         """
+        from policy_export.exporter.compat import require
+
+        require(("pytriton", "tritonclient"), "serve", "serving with Triton")
         out = Path(out)
-        triton_mod, mc = import_pytriton()
         doc = manifest.read_manifest(out)
         ports = {"http": int(http_port), "grpc": int(grpc_port)}
         check_ports_free(host, ports)
-        if not 0 < max_batch_size <= 65536:
-            raise InputError(f"--max-batch-size {max_batch_size} is not in 1..65536")
-        engine = open_engine(out, doc, device)
-        contract = Contract.from_json(doc["contract"])
-        models = plan_models(contract, set(engine.runner.inputs) | set(engine.runner.accepted),
-                             list(engine.runner.outputs), _explores(engine, doc), model_name, max_batch_size)
+        check = manifest.check_files(out, doc, registry.paths())
+        if check.problems:
+            raise InputError(f"{out}: not served, its files do not match its manifest: " + "; ".join(check.problems[:5]))
         if not is_loopback(host):
             log.warning(OPEN_WARNING.format(host=host, ports=f"{ports['http']} and {ports['grpc']}"))
         workspaces.quiet_interrupts()
-        workspace = workspaces.make("policy-export-serve-")
+        work = workspaces.make("policy-export-serve-")
+        server = fronts = None
         try:
-            _check_socket_room(workspace, models)
-            triton, front = _run_triton(triton_mod, mc, models, engine, workspace, host, ports, queue_delay_us)
-        except BaseException as e:  # (_run_triton stopped the server it started)
+            repository = repository_of(out, doc, work, model_name)
+            server = RepositoryServer(repository.path, repository.info, work=work)
+            server.start()
+            fronts = _start_fronts(server, host, ports)
+            return cls(out, repository, server, fronts, host, ports)
+        except BaseException as e:
             try:
-                engine.runner.close()
+                _stop_fronts(fronts)
+                if server is not None:
+                    server.stop()
             finally:
-                workspaces.remove(workspace)
-            if isinstance(e, PolicyExportError) or not isinstance(e, Exception):
+                workspaces.remove(work)
+            if isinstance(e, (PolicyExportError, OSError)) or not isinstance(e, Exception):
                 raise
             raise ExportError(f"the Triton server did not start: {type(e).__name__}: {str(e)[:500]}") from e
-        return cls(out, models, engine, (triton, front, workspace), host, ports)
 
     @property
     def workspace(self) -> Path:
-        """The server's working directory (its model store, its log); removed when it stops."""
-        return self._workspace
+        """The server's working directory (its repository, backends, private sockets and log)."""
+        return self._work
+
+    @property
+    def process_id(self) -> int:
+        """The ``tritonserver`` process's id."""
+        return self._pid
 
     def endpoints(self) -> dict[str, str]:
         return {what: f"{self.host}:{port}" for what, port in self.ports.items()}
 
+    def describe(self) -> list[str]:
+        """What a client needs to know, a line each: every model (batching, inputs, outputs as its
+        config declares them) and the endpoints."""
+        lines = []
+        for model in self.models:
+            if model.sequence:
+                batching = (f"sequence batching, up to {model.max_batch_size} sequences a batch" if model.batched
+                            else "sequence batching, one sequence a request")
+            elif model.batched:
+                batching = f"batched, up to {model.max_batch_size} rows"
+            else:
+                batching = "not batched"
+            inputs = ", ".join(f"{w.key} {w.spec.dtype} {_shape(model, w)}{' (optional)' if w.optional else ''}"
+                               for w in model.inputs)
+            outputs = ", ".join(f"{w.key} {w.spec.dtype} {_shape(model, w)}" for w in model.outputs)
+            lines.append(f"model {model.name} ({batching}): inputs {inputs}; outputs {outputs}")
+        ends = self.endpoints()
+        lines.append(f"HTTP  http://{ends['http']}/v2/models/{self.models[0].name}/infer")
+        lines.append(f"gRPC  {ends['grpc']}")
+        source = "written by serve from its SavedModel" if self.repository.written else "as written"
+        lines.append(f"repository: {self.repository.path} ({source})")
+        return lines
+
+    def is_alive(self) -> bool:
+        return self._server is not None and self._server.is_alive()
+
     def stop(self) -> None:
-        """Stop the HTTP front and the server (its process and the backend's stubs) and remove its
+        """Stop the fronts and the server (its process and the backend's stubs) and remove the
         workspace, also when an interrupt arrives while the server stops."""
-        if self._triton is None:
+        if self._server is None:
             return
-        triton, self._triton = self._triton, None
+        server, self._server = self._server, None
+        work = server.work
         try:
-            self._front.stop()
-            triton.stop()
+            _stop_fronts((self._http, self._grpc))
+            server.stop()
         finally:
-            try:
-                self.engine.runner.close()
-            finally:
-                workspaces.remove(self._workspace)
+            workspaces.remove(work)
 
     def __enter__(self) -> "TritonServer":
         return self
@@ -216,106 +281,29 @@ class TritonServer:
         self.stop()
 
 
-SOCKET_PATH_BYTES = 107  # what an AF_UNIX socket address holds on Linux
+def _shape(model: ServedModel, wire) -> str:
+    """A tensor's full shape as a client sends or receives it: ``[-1, dims...]`` where the model batches."""
+    return "[" + ", ".join(map(str, ([-1] if model.batched else []) + list(wire.dims))) + "]"
 
 
-def _check_socket_room(workspace: Path, models: list[ServedModel]) -> None:
-    """Raises InputError when PyTriton's sockets (``<workspace>/pytriton/<model>_0_0-server.sock``)
-    would not fit an AF_UNIX address (a long ``TMPDIR`` or model name)."""
-    longest = max(len(f"{workspace}/pytriton/{m.name}_0_0-server.sock".encode()) for m in models)
-    if longest > SOCKET_PATH_BYTES:
-        raise InputError(f"the server's socket paths under {str(workspace)[:200]} would be {longest} bytes, more "
-                         f"than the {SOCKET_PATH_BYTES} a socket address holds: set TMPDIR to a shorter folder or "
-                         "choose a shorter --model-name")
-
-
-def _run_triton(triton_mod, mc, models: list[ServedModel], engine: Engine, workspace: Path, host: str,
-                ports: Mapping[str, int], queue_delay_us: int) -> tuple[Any, Any]:
-    """PyTriton's server (HTTP on a private loopback port, gRPC on ``host``) with ``models`` bound,
-    running, and the HTTP front on ``host``; returns both."""
+def _start_fronts(server: RepositoryServer, host: str, ports: Mapping[str, int]) -> tuple[Any, Any]:
     from policy_export.exporter.serve.front import RequestFront
+    from policy_export.exporter.serve.grpc_front import GrpcFront
 
-    backend_http = free_port()
-    config = triton_mod.TritonConfig(http_address=HOST, http_port=backend_http, grpc_address=host,
-                                     grpc_port=ports["grpc"], allow_metrics=False, exit_timeout_secs=5,
-                                     log_file=workspace / "tritonserver.log")
-    with _server_environment():
-        triton = triton_mod.Triton(config=config, workspace=workspace / "pytriton")
-        try:
-            for model in models:
-                _bind(triton, mc, model, engine, queue_delay_us)
-            triton.run()
-            return triton, RequestFront(host, ports["http"], backend_http, models)
-        except BaseException:
+    models = [ServedModel.from_config(c) for c in server.configs.values()]
+    http = RequestFront(host, ports["http"], server.http_socket, models)
+    try:
+        return http, GrpcFront(host, ports["grpc"], server.grpc_target)
+    except BaseException:
+        http.stop()
+        raise
+
+
+def _stop_fronts(fronts: tuple[Any, Any] | None) -> None:
+    for front in fronts or ():
+        if front is not None:
             with contextlib.suppress(Exception):
-                triton.stop()
-            raise
-
-
-@contextlib.contextmanager
-def _server_environment():
-    """The environment the server process starts with, restored once it has started: this
-    interpreter's directory first on ``PATH`` (the Python backend's stub takes its ``sys.prefix``,
-    and so its packages, from the ``python3`` it finds there) and its shared library first on
-    ``LD_LIBRARY_PATH`` (so the stub links the libpython that matches this interpreter's standard
-    library; another one on the system fails in PyTriton's model proxy)."""
-    before = {k: os.environ.get(k) for k in ("PATH", "LD_LIBRARY_PATH")}
-    os.environ["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), before["PATH"]) if p)
-    libdir = sysconfig.get_config_var("LIBDIR")
-    if libdir and Path(libdir, sysconfig.get_config_var("LDLIBRARY") or "").is_file():
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, before["LD_LIBRARY_PATH"]) if p)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _tensor(mc, wire) -> Any:
-    return mc.Tensor(name=wire.key, dtype=np.dtype(wire.spec.dtype).type, shape=wire.dims, optional=wire.optional)
-
-
-def _bind(triton, mc, model: ServedModel, engine: Engine, queue_delay_us: int) -> None:
-    if model.batched:
-        config = mc.ModelConfig(max_batch_size=model.max_batch_size,
-                                batcher=mc.DynamicBatcher(max_queue_delay_microseconds=queue_delay_us))
-    else:
-        config = mc.ModelConfig(batching=False)
-    triton.bind(model_name=model.name, infer_func=_infer_function(model, engine),
-                inputs=[_tensor(mc, w) for w in model.inputs], outputs=[_tensor(mc, w) for w in model.outputs],
-                config=config, strict=True)
-
-
-def _infer_function(model: ServedModel, engine: Engine) -> Callable:
-    """PyTriton's ``infer_func`` for ``model``: the requests of one batch concatenated into one
-    engine call (a batched model), or one call per request; an error names what is wrong."""
-
-    def infer(requests):
-        try:
-            if model.batched:
-                rows = [len(next(iter(r.values()))) for r in requests]
-                joined = {k: np.concatenate([np.asarray(r[k]) for r in requests]) for k in requests[0].keys()}
-                out = model.response(engine(model.feeds(joined)))
-                bounds = np.cumsum([0, *rows])
-                return [{k: v[bounds[i]:bounds[i + 1]] for k, v in out.items()} for i in range(len(requests))]
-            return [model.response(engine(model.feeds(dict(r.items())))) for r in requests]
-        except PolicyExportError as e:
-            raise _client_error(str(e)) from None
-
-    return infer
-
-
-def _client_error(message: str) -> Exception:
-    """PyTriton's error for a bad request (answered with that message; the server keeps serving)."""
-    try:
-        from pytriton.exceptions import PyTritonBadParameterError
-
-        return PyTritonBadParameterError(message)
-    except ImportError:  # pragma: no cover
-        return ValueError(message)
+                front.stop()
 
 
 def serve_forever(server: TritonServer, ready: Callable[[], None] | None = None) -> None:
@@ -326,7 +314,7 @@ def serve_forever(server: TritonServer, ready: Callable[[], None] | None = None)
         if ready is not None:
             ready()
         while not stop.wait(0.5):
-            if not server._triton.is_alive():
+            if not server.is_alive():
                 raise ExportError("the Triton server process stopped")
     finally:
         for s, handler in previous.items():

@@ -2,7 +2,8 @@
 stopped however the command ends.
 
 Each folder is made by :func:`make` and registered until :func:`remove` takes it away with the
-process groups started for it (:func:`add_process`). Leaving a server's block removes its folder;
+process groups started for it (:func:`add_process`) and whatever else they leave outside it
+(:func:`add_cleanup`: a server's shared memory). Leaving a server's block removes its folder;
 an interrupt (the command line turns SIGINT, SIGTERM and SIGHUP into one) unwinds that block, and
 what an interrupt caught half-way (inside a server's own stop) is removed when the interpreter
 exits. A server process this package starts is also told to die with it (``PR_SET_PDEATHSIG``).
@@ -23,6 +24,7 @@ from pathlib import Path
 
 _lock = threading.Lock()
 _live: dict[Path, list[int]] = {}  # folder -> process group ids started for it
+_cleanups: dict[Path, list] = {}  # folder -> what to call once its processes are killed
 _hooked = False
 
 
@@ -44,13 +46,25 @@ def add_process(folder: Path, pgid: int) -> None:
         _live.setdefault(folder, []).append(pgid)
 
 
+def add_cleanup(folder: Path, cleanup) -> None:
+    """Register ``cleanup()`` to be called when ``folder`` is removed, after its processes are killed
+    (what they leave outside the folder; its errors are ignored)."""
+    with _lock:
+        _cleanups.setdefault(folder, []).append(cleanup)
+
+
 def remove(folder: Path) -> None:
-    """Kill the process groups registered for ``folder`` (those still running) and remove it."""
+    """Kill the process groups registered for ``folder`` (those still running), run its cleanups
+    and remove it."""
     with _lock:
         groups = _live.pop(folder, [])
+        cleanups = _cleanups.pop(folder, [])
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+    for cleanup in cleanups:
+        with contextlib.suppress(Exception):
+            cleanup()
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -15,6 +15,7 @@ plain ``(atol, rtol)`` pair.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ class Source:
     reference: str = "the TF session"  # what parity compares every format with, for the reports
     shows_itself: bool = False  # inspect shows the source (inspect()) rather than a model's contract
     light_inspect: bool = False  # inspect() imports no TensorFlow
+    has_base_model: bool = False  # the policies it loads carry a Keras base model (what the keras format writes)
 
     def detect(self, path: Path) -> bool:
         raise NotImplementedError
@@ -87,6 +89,12 @@ class Source:
         """The names of the policies ``path`` holds, read without any state (``None``: one unnamed
         policy, or names known only once it is read)."""
         return None
+
+    def job_stem(self, path: Path) -> str:
+        """What ``export-many`` names the policy at ``path`` after (before it is made a serving
+        name): the folder's own name; a source whose folders carry the tool's names (RLlib's
+        ``checkpoint_000010``) names the folder that holds them."""
+        return path.name
 
     def open(self, path: Path, values: Mapping[str, Any]) -> Opened:
         """Read and check ``path`` (no TensorFlow): raises the package's errors for bad input."""
@@ -141,3 +149,12 @@ CHECKPOINT_OPTIONS = (
            "normalize_actions, clipped with clip_actions; the default) or the policy's own (as the policy or "
            "module computes it)", "environment", kind="choice", choices=("environment", "policy")),
 )
+
+
+RLLIB_CHECKPOINT_NAME = re.compile(r"checkpoint(_\d+)?")  # the folder names RLlib gives its checkpoints
+
+
+def rllib_job_stem(path: Path) -> str:
+    """An RLlib checkpoint's name for ``export-many``: RLlib's own folder names (``checkpoint``,
+    ``checkpoint_000010``) say nothing of the run, so the folder holding one names it."""
+    return path.parent.name if RLLIB_CHECKPOINT_NAME.fullmatch(path.name) else path.name

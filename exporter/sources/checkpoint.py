@@ -44,7 +44,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from policy_export.errors import ExportError, UnsafeCheckpointError
+from policy_export.errors import ExportError, InputError, UnsafeCheckpointError
 from policy_export.policy import jsonio
 from policy_export.policy.files import read_regular
 from policy_export.policy.spaces import MAX_CATEGORIES, MAX_DEPTH, MAX_ELEMENTS, MAX_LEAVES
@@ -179,6 +179,10 @@ def _read_inside(root: Path, parts: tuple[str, ...], limit: int) -> bytes:
     return read_regular(current, min(limit, info.st_size + 4096), UnsafeCheckpointError)
 
 
+NEW_STACK = ("{path} is a checkpoint of RLlib's new API stack (torch RLModules); read_checkpoint reads the old "
+             "stack's: convert it with convert_checkpoint(path, out) or export_source(path, out)")
+
+
 def _metadata(root: Path, parts: tuple[str, ...] = ()) -> dict[str, Any]:
     """``rllib_checkpoint.json`` read strictly (:mod:`policy_export.policy.jsonio`: UTF-8 without a
     BOM, no duplicate key, no NaN) and checked: type, format, version, policy ids, state_file."""
@@ -193,6 +197,8 @@ def _metadata(root: Path, parts: tuple[str, ...] = ()) -> dict[str, Any]:
     ids = meta.get("policy_ids", [])
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise UnsafeCheckpointError(f"{where}: policy_ids {short_repr(ids)} is not a list of names")
+    if kind is None and str(version).startswith("2."):  # RLlib's new API stack writes no type, version 2.x
+        raise InputError(NEW_STACK.format(path=root))
     if not isinstance(kind, str) or not isinstance(fmt, str) or (kind, fmt) not in STATE_FILES:
         raise UnsafeCheckpointError(f"{where}: type {short_repr(kind)} / format {short_repr(fmt)} is not an RLlib "
                                     "checkpoint this reads (Algorithm or Policy; cloudpickle or msgpack)")
@@ -598,9 +604,19 @@ def read_checkpoint(path: str | Path, budget: ReadBudget | None = None) -> Check
         checkpoint = read_checkpoint("ckpt/")
         policy = checkpoint.policy()      # the only policy, or ExportError naming the ids
 
+    A checkpoint of RLlib's new API stack (torch RLModules) is not read here: convert it with
+    :func:`exporter.convert_checkpoint` or :func:`exporter.export_source`, which take both stacks.
+
     Raises:
+        InputError: no such path, or a checkpoint of the new API stack (the route for it named).
         UnsafeCheckpointError: anything refused, unreadable or over budget, naming the file and the reason.
     """
+    where = Path(path)
+    if not where.exists() and not where.is_symlink():
+        raise InputError(f"checkpoint {path}: no such directory")
+    if not where.is_symlink() and where.is_dir() and (where / "metadata.json").is_file() \
+            and (where / "class_and_ctor_args.pkl").is_file():  # an RLModule's own folder: the new stack's
+        raise InputError(NEW_STACK.format(path=path))
     try:
         with reading(budget):
             return _read_checkpoint(Path(path))

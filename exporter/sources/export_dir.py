@@ -74,6 +74,9 @@ class ExportSource(Source):
         policy, record = load_saved_model_policy(opened.path / SAVED_MODEL, contract.get("signature_key",
                                                  "serving_default"), "serve", device, None,
                                                  opened.policies[None], opened.state["action_space"])
+        name = doc.get("name")
+        if isinstance(name, str) and name:  # the policy keeps its name (the manifest's, a served model's)
+            policy.name = name
         return Loaded(policy, {"converted_from": str(opened.path.absolute()), "kind": "export",
                                "manifest_sha256": opened.state["sha256"], "exported_from": doc.get("source"),
                                **{k: v for k, v in record.items() if k == "key_mapping"}},

@@ -139,7 +139,7 @@ def load_keras_policy(path: str | Path, action_space: gym.Space, *, observation_
 
     from policy_export.exporter.devices import plan_devices
     from policy_export.policy.distributions import SUPPORTED_ACTION_SPACES, ActionDistribution
-    from policy_export.exporter.sources.legacy import clean_key
+    from policy_export.signatures.keys import clean_key
     from policy_export.exporter.sources.rllib import observation_space_for
     from policy_export.policy.spaces import check_supported
 
@@ -240,7 +240,7 @@ def _build_policy(path: Path, graph_def, sig, in_info, dist_key: str, observatio
     whether it is flattened into the model's one input; the action head is the package's own."""
     import tensorflow as tf
 
-    from policy_export.exporter.sources.legacy import clean_key
+    from policy_export.signatures.keys import clean_key
     from policy_export.exporter.sources.rllib import observation_inputs
     from policy_export.policy.head import action_head
     from policy_export.policy.tf_policy import (

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from policy_export.exporter.devices import plan_devices
 from policy_export.exporter.sources.lstm_step import RecurrentServing, rewrite_serving
+from policy_export.exporter.tfgraph import VARIABLE_OPS
 from policy_export.exporter.trust import VARIABLE_COLLECTIONS
 from policy_export.errors import ExportError, InputError, WeightsError
 from policy_export.policy.bundleio import checkpoint_prefix
@@ -51,21 +52,13 @@ from policy_export.signatures.keys import (
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
-from policy_export.signatures.keys import KNOWN_INPUTS, KNOWN_OUTPUTS  # noqa: E402,F401 (re-exported)
+from policy_export.signatures.keys import KNOWN_INPUTS, KNOWN_OUTPUTS, clean_key  # noqa: E402,F401 (re-exported)
 EXPLORE_SWITCH = "is_exploring"
-VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
 
 
 def natural_key(text: str) -> list:
     """``Placeholder_10`` after ``Placeholder_2``."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
-
-
-def clean_key(key: str) -> str:
-    """A source's output or tensor name as a signature key: the tensor suffix dropped
-    (``fc_out:0`` -> ``fc_out``), every character but letters, digits and ``_/.-`` (which ONNX
-    tools dislike) replaced by ``_``. Every source names extra outputs and inputs with it."""
-    return re.sub(r"[^A-Za-z0-9_/.-]", "_", key.split(":")[0])
 
 
 def _node(name: str) -> str:

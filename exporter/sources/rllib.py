@@ -37,7 +37,8 @@ import numpy as np
 import tensorflow as tf
 
 from policy_export.errors import ExportError, InputError, PolicyExportError
-from policy_export.exporter.sources.legacy import clean_key, deterministic_copy, refused_reason
+from policy_export.exporter.sources.legacy import deterministic_copy, refused_reason
+from policy_export.signatures.keys import clean_key
 from policy_export.exporter.tfgraph import converter_rewrites, exploration_state, freeze_session
 from policy_export.policy.head import deterministic_outputs
 from policy_export.policy.spaces import leaf_dtype, leaf_shape, leaves

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from policy_export.errors import ExportError, InputError, UnsafeCheckpointError
-from policy_export.exporter.sources.base import CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Source, check_values
+from policy_export.exporter.sources.base import (
+    CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Source, check_values, rllib_job_stem,
+)
 
 log = logging.getLogger(__name__)
 # the default parity tolerance of a policy with RLlib's vision net: it takes raw pixel values
@@ -33,6 +35,9 @@ class CheckpointSource(Source):
     reference = "the rebuilt policy's TF session"
     shows_itself = True
     options = CHECKPOINT_OPTIONS
+
+    def job_stem(self, path: Path) -> str:
+        return rllib_job_stem(path)
 
     def detect(self, path: Path) -> bool:
         from policy_export.exporter.sources.checkpoint import is_rllib_checkpoint

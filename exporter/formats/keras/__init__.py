@@ -17,7 +17,7 @@ class KerasFormat(Format):
     path = "keras"
     order = 50
     is_directory = True
-    capabilities = Capabilities(signature=False, explores=False, steps_state=False)
+    capabilities = Capabilities(signature=False, explores=False, steps_state=False, base_model=True)
 
     def skip_reason(self, policy) -> str | None:
         if policy.model is None:

@@ -22,7 +22,7 @@ class OnnxFormat(OnnxFile, Format):
     name = "onnx"
     path = "model.onnx"
     order = 30
-    capabilities = Capabilities(onnx=True)
+    capabilities = Capabilities(onnx=True, from_onnx=True)
 
     def write(self, ctx, target: Path):
         from policy_export.exporter.formats.onnx import model as onnx_model
@@ -30,6 +30,7 @@ class OnnxFormat(OnnxFile, Format):
         return onnx_model.write(ctx, target)
 
     inspect_order = 30
+    inspect_description = "a .onnx file"
 
     def find_model(self, path: Path) -> Path | None:
         return path if path.is_file() and path.suffix == ".onnx" else None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from policy_export.errors import ConversionError, ExportError
 from policy_export.exporter.formats.base import ExportContext, FormatRecord
@@ -30,6 +32,8 @@ def deterministic_onnx(ctx: ExportContext, stage: Path):
     Raises:
         ExportError: the policy exposes no deterministic outputs.
     """
+    if ctx.model_file is not None:  # a model exported elsewhere: itself, with its own contract
+        return full_onnx(ctx, stage), _ModelSignature(ctx.contract)
     from policy_export.signatures.builder import build_deterministic_signature
 
     sig = build_deterministic_signature(ctx.policy)
@@ -46,7 +50,18 @@ def full_onnx(ctx: ExportContext, stage: Path):
     Raises:
         ConversionError: the full signature did not convert.
     """
+    if ctx.model_file is not None:
+        from policy_export.exporter.formats.onnx.trust import load_checked
+
+        return load_checked(ctx.model_file)
     return _finished(ctx, stage, "full", ctx.signature)
+
+
+@dataclass(frozen=True)
+class _ModelSignature:
+    """What the compressed formats take of a signature, for a model exported elsewhere: its contract."""
+
+    contract: Any
 
 
 def _finished(ctx: ExportContext, stage: Path, which: str, sig):
@@ -133,7 +148,9 @@ def write_compressed_onnx(ctx: ExportContext, target: Path, name: str, kind: str
     del model
     files = onnx_model.save(out, target, ctx.external_data_threshold)  # external data over the threshold
     onnx_model.check_saved(target)
-    details = {"opset": ctx.opset, "nodes": len(out.graph.node), "source": "model_deterministic.onnx's conversion",
+    source = f"{ctx.model_file.name}, exported elsewhere" if ctx.model_file is not None else \
+        "model_deterministic.onnx's conversion"
+    details = {"opset": ctx.opset, "nodes": len(out.graph.node), "source": source,
                "inputs": sig.contract.input_keys, "outputs": sig.contract.output_keys,
                "ops": sorted({n.op_type for n in out.graph.node}),
                "quantization": ("onnxruntime quantize_dynamic: int8 weights per channel (reduce_range), activations quantised "

@@ -14,7 +14,7 @@ class OnnxInt8Format(OnnxFile, Format):
     name = "onnx_int8"
     path = "model_int8.onnx"
     order = 62
-    capabilities = Capabilities(explores=False, default=False, lossy=True)
+    capabilities = Capabilities(explores=False, default=False, lossy=True, from_onnx=True)
     kind = "int8"
 
     def skip_reason(self, policy) -> str | None:

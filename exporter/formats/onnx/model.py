@@ -222,7 +222,10 @@ def check_saved(target: Path) -> None:
 
 
 def write(ctx: ExportContext, target: Path) -> FormatRecord:
-    """Save ``model.onnx`` (converted together with the deterministic model, see :mod:`exporter.formats.onnx.convert`)."""
+    """Save ``model.onnx`` (converted together with the deterministic model, see
+    :mod:`exporter.formats.onnx.convert`), or the model exported elsewhere (:func:`write_model_file`)."""
+    if ctx.model_file is not None:
+        return write_model_file(ctx, target)
     converted = onnx_models(ctx)
     model, lazy = converted.take_lazy("full")
     finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
@@ -237,6 +240,35 @@ def write(ctx: ExportContext, target: Path) -> FormatRecord:
     check_saved(target)
     return FormatRecord("onnx", files, details)
 
+
+
+def write_model_file(ctx: ExportContext, target: Path) -> FormatRecord:
+    """``model.onnx``: the model exported elsewhere, its graph as it is, saved as one file (its
+    weights inline, or in ``model.onnx.data`` above the external data threshold)."""
+    from policy_export.exporter.formats.onnx.trust import load_checked
+
+    model = load_checked(ctx.model_file)
+    check_onnx_runtime(model, "model.onnx")
+    details = {
+        "opset": model_opset(model), "nodes": len(model.graph.node),
+        "optional_inputs": [s.key for s in ctx.contract.inputs if not s.required],
+        "source": f"{ctx.model_file.name}, exported by {producer(model)}",
+    }
+    files = save(model, target, ctx.external_data_threshold)
+    del model
+    check_saved(target)
+    return FormatRecord("onnx", files, details)
+
+
+def model_opset(model: onnx.ModelProto) -> int | None:
+    """The model's opset of the default ONNX domain."""
+    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def producer(model: onnx.ModelProto) -> str:
+    """What wrote the model, as it says (``pytorch 2.13.0``), or ``an unnamed producer``."""
+    text = " ".join(" ".join(p.split()) for p in (model.producer_name, model.producer_version) if p).strip()
+    return "".join(c for c in text if c.isprintable())[:80] or "an unnamed producer"
 
 def write_deterministic(ctx: ExportContext, target: Path) -> FormatRecord:
     """Save the deterministic path alone: no random ops, no explore branch.
@@ -455,8 +487,8 @@ class OnnxDefaultsRunner(OnnxRunner):
         return super()._run(with_defaults(self.label, self.inputs, feeds, self.defaults))
 
 
-def onnx_contract(path: Path) -> Contract:
-    """The contract in an ONNX model's metadata, else one read from its graph.
+def onnx_contract(path: Path, metadata: bool = True) -> Contract:
+    """The contract in an ONNX model's metadata, else (or without ``metadata``) one read from its graph.
 
     The model passes :func:`.trust.check_file` first; a file that is not ONNX is an error.
     """
@@ -465,7 +497,7 @@ def onnx_contract(path: Path) -> Contract:
     check_file(Path(path))
     model = read_model(Path(path))
     try:
-        stored = contract_from_model(model)
+        stored = contract_from_model(model) if metadata else None
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ExportError(f"{path}: the contract in its metadata is not valid: {type(e).__name__}: {e}") from e
     if stored is not None:

@@ -107,6 +107,29 @@ def read_model(path: Path) -> "onnx.ModelProto":
         raise ExportError(f"{path} is not a valid ONNX model: {str(e)[:200]}") from None
 
 
+
+def load_checked(path: Path) -> "onnx.ModelProto":
+    """The model at ``path`` with its external data, once :func:`check_file` has passed it (every
+    location was checked there; the data is read from the model's folder alone).
+
+    Raises:
+        ExportError, DeclaredSizeError: as :func:`check_file`.
+    """
+    from onnx.external_data_helper import load_external_data_for_model
+
+    path = Path(path)
+    check_file(path)
+    model = read_model(path)
+    check_external_data(model, path)  # read again: the file may have changed since it was checked
+    try:
+        load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: its external data cannot be read: {str(e)[:200]}") from e
+    for tensor in _all_tensor_protos(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            raise ExportError(f"{path}: tensor {tensor.name[:80]!r} keeps external data onnx did not load")
+    return model
+
 def check_external_data(model: "onnx.ModelProto | Path", path: Path | None = None) -> "onnx.ModelProto":
     """Every tensor ``model`` (read from ``path``) keeps as external data names a plain file beside
     it that is a regular file, no link and no second name of another file, with only ONNX's keys

@@ -25,7 +25,7 @@ class OpenVinoFormat(Format):
     name = "openvino"
     path = "openvino"
     order = 64
-    capabilities = Capabilities(default=False)
+    capabilities = Capabilities(default=False, from_onnx=True)
     is_directory = True
     precision = "f32"  # the runner's INFERENCE_PRECISION_HINT
     candidate_without_export = True  # its runner needs the export's contract alone

@@ -13,7 +13,7 @@ class OpenVinoBf16Format(OpenVinoFormat):
     name = "openvino_bf16"
     path = "openvino_bf16"
     order = 65
-    capabilities = Capabilities(default=False, lossy=True)
+    capabilities = Capabilities(default=False, lossy=True, from_onnx=True)
     precision = "bf16"
 
 

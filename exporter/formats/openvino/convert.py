@@ -49,6 +49,8 @@ def source_onnx(ctx: ExportContext, stage: Path, scratch: Path) -> Path:
     written = Path(stage) / ONNX_FILENAME
     if written.is_file() and not written.is_symlink():
         return written
+    if ctx.model_file is not None:  # a model exported elsewhere, passed by the ONNX door already
+        return ctx.model_file
     from policy_export.exporter.compat import import_onnx
     from policy_export.exporter.formats.onnx import model as onnx_model
     from policy_export.exporter.formats.onnx.convert import onnx_models
@@ -64,7 +66,7 @@ def source_onnx(ctx: ExportContext, stage: Path, scratch: Path) -> Path:
     copy = type(converted)(model, None, converted.route, converted.nchw, converted.weights,
                            converted.session, converted.weight_tensors)
     model, lazy = copy.take_lazy("full")
-    onnx_model.finish_model(model, ctx.signature.contract, ctx.opset, converted.nchw)
+    onnx_model.finish_model(model, ctx.contract, ctx.opset, converted.nchw)
     target = Path(scratch) / ONNX_FILENAME
     onnx_model.save(model, target, ctx.external_data_threshold, lazy)
     return target
@@ -197,7 +199,7 @@ def write_openvino(ctx: ExportContext, target: Path, name: str, precision: str) 
     """Convert, check and save the IR to the directory ``target`` (``model.xml``, ``model.bin``)."""
     import openvino as ov
 
-    contract = ctx.signature.contract
+    contract = ctx.contract
     model, notes, fixed, seconds = ctx.cached("openvino", lambda: _converted(ctx, target.parent))
     core = ov.Core()
     check_ops(core, model)
@@ -226,7 +228,7 @@ def _converted(ctx: ExportContext, stage: Path):
     with tempfile.TemporaryDirectory(prefix="policy-export-openvino-") as tmp:
         source = source_onnx(ctx, stage, Path(tmp))
         ready = Path(tmp) / "openvino_input.onnx"
-        notes, fixed = prepare_onnx(source, ready, ctx.signature.contract)
+        notes, fixed = prepare_onnx(source, ready, ctx.contract)
         model = convert(ready)
-    name_ports(model, ctx.signature.contract, fixed is not None)
+    name_ports(model, ctx.contract, fixed is not None)
     return model, notes, fixed, round(time.perf_counter() - started, 3)

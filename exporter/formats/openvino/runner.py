@@ -160,6 +160,13 @@ def _meta(key: str, port) -> TensorMeta:
     return TensorMeta(key, np.dtype(port.get_element_type().to_dtype()).name, dims)
 
 
+def _port_name(port, keys: set[str]) -> str:
+    """The port's contract key where one of its tensor names is one (a graph input whose first op
+    OpenVINO folded away keeps that op's output name too), else any of its names."""
+    names = sorted(port.get_names() & keys)
+    return names[0] if names else port.get_any_name()
+
+
 class OpenVinoRunner(Runner):
     """An OpenVINO compiled model (CPU) over one IR directory, run by signature key."""
 
@@ -189,8 +196,10 @@ class OpenVinoRunner(Runner):
         self.precision = precision_name(self.compiled.get_property("INFERENCE_PRECISION_HINT"))
         self.version = ov.__version__
         self.request = self.compiled.create_infer_request()
-        self.inputs = {p.get_any_name(): _meta(p.get_any_name(), p) for p in self.compiled.inputs}
-        self.outputs = {p.get_any_name(): _meta(p.get_any_name(), p) for p in self.compiled.outputs}
+        keys = set(contract.input_keys + contract.output_keys) if contract is not None else set()
+        self._names = {p: _port_name(p, keys) for p in (*self.compiled.inputs, *self.compiled.outputs)}
+        self.inputs = {self._names[p]: _meta(self._names[p], p) for p in self.compiled.inputs}
+        self.outputs = {self._names[p]: _meta(self._names[p], p) for p in self.compiled.outputs}
         specs = contract.inputs if contract is not None else ()
         self.defaults = {s.key: np.asarray(s.default, np.dtype(s.dtype)) for s in specs if not s.required}
         self.accepted = frozenset(s.key for s in specs if s.key not in self.inputs)
@@ -207,7 +216,7 @@ class OpenVinoRunner(Runner):
         request = self.request
         # at the run limit or on a signal the request is cancelled (OpenVINO stops between kernels)
         results = self.stoppable(lambda: request.infer(arrays), request.cancel)
-        return {port.get_any_name(): np.array(results[port], copy=True) for port in self.compiled.outputs}
+        return {self._names[port]: np.array(results[port], copy=True) for port in self.compiled.outputs}
 
     def device_info(self) -> dict[str, Any]:
         """The OpenVINO version and the precision in force (keys named by the precision asked

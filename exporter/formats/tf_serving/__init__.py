@@ -43,6 +43,7 @@ class TFServingFormat(Format):
                                               contract=Contract.from_json(manifest["contract"]))
 
     inspect_order = 20
+    inspect_description = "a TF Serving base path"
     serving_layout = True
     inspect_needs_tensorflow = True
 

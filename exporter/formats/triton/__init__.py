@@ -16,7 +16,7 @@ class TritonFormat(Format):
     path = "triton"
     order = 70
     is_directory = True
-    capabilities = Capabilities(onnx=False, default=False)
+    capabilities = Capabilities(onnx=False, default=False, from_onnx=True)
 
     def write(self, ctx, target: Path):
         from policy_export.exporter.formats.triton.repository import write_repository
@@ -31,6 +31,7 @@ class TritonFormat(Format):
         return TritonRunner(path, Contract.from_json(manifest["contract"]), info, device)
 
     inspect_order = 10
+    inspect_description = "a Triton model (or a repository holding one)"
     serving_layout = True
 
     def find_model(self, path: Path) -> Path | None:

@@ -3,11 +3,15 @@ written from the model's own inputs and outputs so names, data types and dims ag
 
 With ``max_batch_size > 0`` every input and output is batched on its first dimension and ``dims``
 leave it out; a tensor that is ``[batch]`` alone is declared ``dims: [ 1 ]`` with
-``reshape: { shape: [ ] }`` (Triton's way to say "one value per request"). A scalar of a model that
-does not batch is ``dims: [ 1 ]`` without a reshape: Triton's core refuses an empty reshape in a
-model that does not batch, and its ONNX Runtime backend accepts ``[ 1 ]`` for a scalar model
-input and feeds it as one. Implicit state (``sequence_batching.state``) replaces the state inputs
-and outputs, which are then not listed as inputs or outputs.
+``reshape: { shape: [ ] }`` (Triton's way to say "one value per request"). In the sampling model,
+which does not batch, a tensor that is ``[batch]`` alone is ``dims: [ -1, 1 ]`` with
+``reshape: { shape: [ -1 ] }`` (:func:`rows_as_column`), so a client sends and receives it as
+``[rows, 1]`` from either model (Triton's core applies the reshape to the request's input and to
+the response's output). A scalar of a model that does not batch is ``dims: [ 1 ]`` without a
+reshape: Triton's core refuses an empty reshape in a model that does not batch, and its ONNX
+Runtime backend accepts ``[ 1 ]`` for a scalar model input and feeds it as one. Implicit state
+(``sequence_batching.state``) replaces the state inputs and outputs, which are then not listed as
+inputs or outputs.
 """
 
 from __future__ import annotations
@@ -133,7 +137,6 @@ SCHEMA_SOURCE = "tritonclient 2.73.0"  # where model_config.binpb was taken from
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def model_config_schema():
     """Triton's own ``ModelConfig`` message class and its ``DataType`` enum descriptor, built from
     the shipped schema (:data:`SCHEMA_FILE`, Triton's ``model_config.proto`` as a serialized
@@ -168,6 +171,14 @@ def check_with_triton_schema(text: str, where: str) -> bool:
     return True
 
 
+def rows_as_column(entries: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``entries`` of a model that does not batch with each ``[batch]`` one (``dims: [ -1 ]``) declared
+    ``dims: [ -1, 1 ]`` with ``reshape: { shape: [ -1 ] }``: ``[rows, 1]`` to a client, as from a
+    model that batches, ``[rows]`` to the model."""
+    return tuple(Tensor(t.name, t.data_type, (-1, 1), (-1,), t.optional) if t.dims == (-1,) and t.reshape is None
+                 else t for t in entries)
+
+
 def tensors(values, batched: bool, optional: Mapping[str, bool] | None = None, leave_out=()) -> tuple[Tensor, ...]:
     """Config entries of ONNX value infos, leaving out ``leave_out`` (names)."""
     optional = optional or {}
@@ -178,6 +189,21 @@ CONFIG_LIMIT = 1 << 20  # bytes of a config.pbtxt read
 _TRITON_NUMPY = {"TYPE_FP32": "float32", "TYPE_FP64": "float64", "TYPE_FP16": "float16", "TYPE_INT64": "int64",
                  "TYPE_INT32": "int32", "TYPE_INT16": "int16", "TYPE_INT8": "int8", "TYPE_UINT8": "uint8",
                  "TYPE_UINT16": "uint16", "TYPE_UINT32": "uint32", "TYPE_UINT64": "uint64", "TYPE_BOOL": "bool"}
+
+
+def numpy_dtype(data_type: int) -> str:
+    """The numpy dtype of a ``DataType`` enum value of Triton's schema.
+
+    Raises:
+        InputError: a data type with no numpy dtype (``TYPE_STRING``, ``TYPE_BF16``, an unknown number).
+    """
+    from policy_export.errors import InputError
+
+    value = model_config_schema()[1].values_by_number.get(data_type)
+    name = value.name if value is not None else str(data_type)
+    if name not in _TRITON_NUMPY:
+        raise InputError(f"Triton data type {name} has no numpy dtype")
+    return _TRITON_NUMPY[name]
 
 
 def triton_contract(model_dir: Path):

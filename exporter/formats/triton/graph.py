@@ -28,8 +28,14 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 START = "START"
 
 
-def state_pairs(contract: Contract) -> list[tuple[str, str]]:
-    """``(state_in_i, state_out_i)`` for each state the contract carries, in order."""
+def state_pairs(contract: Contract, pairs=None) -> list[tuple[str, str]]:
+    """``(state_in_i, state_out_i)`` for each state the contract carries, in order; ``pairs``
+    (input, output fed back) where a model exported elsewhere names its state otherwise."""
+    if pairs:
+        bad = [f"{a}={b}" for a, b in pairs if a not in contract.input_keys or b not in contract.output_keys]
+        if bad:
+            raise ConversionError(f"state pair(s) {', '.join(bad)} do not name an input and an output of the model")
+        return [(a, b) for a, b in pairs]
     outs = set(contract.output_keys)
     pairs = []
     for key in contract.input_keys:
@@ -65,11 +71,13 @@ def all_nodes(graph):
                 yield from all_nodes(sub)
 
 
-def make_stepwise(model, contract: Contract, batched: bool) -> None:
+def make_stepwise(model, contract: Contract, batched: bool, pairs=None) -> None:
     """Make a recurrent ``model`` take one step per request with its state fed back by the server:
-    ``seq_lens`` (ones) is computed inside, and a ``START`` input zeroes every state where it is 1."""
+    ``seq_lens`` (ones) is computed inside, and a ``START`` input zeroes every state where it is 1.
+    A model that batches keeps each state as ``[batch, size]``; one that does not (one sequence a
+    request) may keep it in any layout (a torch LSTM's ``[layers, 1, size]``)."""
     graph = model.graph
-    pairs = state_pairs(contract)
+    pairs = state_pairs(contract, pairs)
     if not pairs:
         return
     first = pairs[0][0]
@@ -82,12 +90,15 @@ def make_stepwise(model, contract: Contract, batched: bool) -> None:
     keep = "policy_export/start/keep"
     nodes.append(helper.make_node("Equal", [START, "policy_export/start/zero"], [keep + "_raw"]))
     graph.initializer.append(numpy_helper.from_array(np.zeros((), np.int32), "policy_export/start/zero"))
-    graph.initializer.append(numpy_helper.from_array(np.asarray([-1, 1], np.int64), "policy_export/start/shape"))
+    # batched: [batch, 1] against [batch, size] states; one sequence a request: a scalar against any layout
+    ranks = {len(contract.input(state_in).shape) for state_in, _ in pairs}
+    if batched and ranks != {2}:
+        raise ConversionError(f"a state of rank {max(ranks - {2})}; a model that batches is written for [batch, size] "
+                              "states (one that does not batch takes any layout)")
+    gate = np.asarray([-1, 1] if batched else [], np.int64)
+    graph.initializer.append(numpy_helper.from_array(gate, "policy_export/start/shape"))
     nodes.append(helper.make_node("Reshape", [keep + "_raw", "policy_export/start/shape"], [keep]))
     for state_in, _ in pairs:
-        rank = len(contract.input(state_in).shape)
-        if rank != 2:
-            raise ConversionError(f"state {state_in!r} has rank {rank}; implicit state is written for [batch, size] states")
         gated = f"policy_export/start/{state_in}"
         _rename_reads(graph, state_in, gated)
         zero = f"policy_export/start/{state_in}/zero"

@@ -44,6 +44,24 @@ def model_records(label: str, info: Any) -> dict[str, dict]:
     return models
 
 
+EXPLORE_SUFFIX = "_explore"  # the sampling model's name: the serving model's and this
+
+
+def serving_model(models: Mapping[str, Any]) -> str | None:
+    """The serving model of a repository's models (name -> record with ``max_batch_size``): the one
+    that batches, else (a model exported elsewhere whose batch is fixed, or whose state keeps its
+    batch off the first axis) the one model not named ``*_explore``; ``None`` when that is not one."""
+    def size(record) -> int:
+        value = record.get("max_batch_size") if isinstance(record, Mapping) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    batched = [str(n) for n, r in models.items() if size(r) > 0]
+    if batched:
+        return batched[0] if len(batched) == 1 else None
+    plain = [str(n) for n in models if not str(n).endswith(EXPLORE_SUFFIX)]
+    return plain[0] if len(plain) == 1 else None
+
+
 class TritonRunner(Runner):
     """The batched model and (where written) the sampling model of one repository, by contract key."""
 
@@ -54,18 +72,26 @@ class TritonRunner(Runner):
         self.contract = contract
         models = model_records(self.label, info)
         self.runners: dict[str, Any] = {}
+        # the serving model: the one that batches, else (a model exported elsewhere with a static
+        # batch, or state kept off the first axis) the first listed; the other samples
+        serving = serving_model(models)
+        if serving is None:
+            raise InputError(f"{self.label}: the manifest lists no one serving model (one that batches, or one "
+                             f"not named *{EXPLORE_SUFFIX})")
         self.batched = self.sampling = None
+        self.states = [list(p) for p in models[serving].get("states") or []]
         for name, record in models.items():
             path = _inside(root, record.get("model"))
             runner = OnnxRunner(path, device, threads=1, contract=None)
             self.runners[name] = runner
-            if record.get("max_batch_size", 0) > 0:
+            if name == serving:
                 self.batched = runner
             else:
                 self.sampling = runner
-        if self.batched is None:
-            raise InputError(f"{self.label}: no batched model is listed")
-        self.inputs = {s.key: TensorMeta(s.key, s.dtype, s.shape) for s in contract.inputs}
+        # a recurrent model that does not batch takes one sequence a request: its open dims are 1
+        one_sequence = bool(self.states) and not models[serving].get("max_batch_size", 0)
+        self.inputs = {s.key: TensorMeta(s.key, s.dtype, tuple(1 if one_sequence and d is None else d for d in s.shape))
+                       for s in contract.inputs}
         self.outputs = dict(self.batched.outputs)
 
     def _choose(self, feeds: Mapping[str, np.ndarray]):
@@ -83,8 +109,8 @@ class TritonRunner(Runner):
         if SEQ_LENS in feeds and not np.all(np.asarray(feeds[SEQ_LENS]) == 1):
             raise InputError(f"{self.label}: the Triton models take one step per request (seq_lens 1)")
         if START in runner.inputs:
-            rows = next(v.shape[0] for k, v in feeds.items() if k.startswith("state_in_"))
             batched_start = len(runner.inputs[START].shape or ()) == 2
+            rows = next((np.shape(feeds[p[0]])[0] for p in self.states if p and p[0] in feeds), 1)
             arrays[START] = np.zeros((rows, 1) if batched_start else (1,), np.int32)
         out = runner._run(arrays)
         return {k: v for k, v in out.items() if k in self.contract.output_keys}

@@ -57,7 +57,8 @@ class ReferenceGroup(ParityGroup):
     episode_ids: np.ndarray | None = None
     state_pairs: list[tuple[str, str]] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
-    replays: list[str] = field(default_factory=list)  # how the last check ran the rows
+    replays: dict[str, str] = field(default_factory=dict)  # label -> how its check ran the rows
+    judged: dict[str, Any] | None = None  # lossy formats: action output -> its space, or "identical"
 
     name = NAME
     files = ("parity/reference.npz",)
@@ -112,6 +113,7 @@ class ReferenceGroup(ParityGroup):
         missing = [k for k in ins if k not in inputs and k not in optional]
         pairs = _pairs(missing, [k for k in outs if k not in outputs], state_pairs, ins, outs, where)
         inputs = {k: _cast(v, ins[k], where) for k, v in inputs.items()}
+        outputs = {k: _cast(v, outs[k], where) for k, v in outputs.items()}  # float64 recorded: the graph's float32
         episodes = arrays.get(EPISODE_IDS)
         if pairs and episodes is None:
             raise InputError(f"{where}: graph input(s) {', '.join(missing)} are not recorded, so they are its state, "
@@ -159,8 +161,10 @@ class ReferenceGroup(ParityGroup):
         episodes = arrays.get(EPISODE_IDS)
         if pairs and (episodes is None or episodes.shape != (rows,) or episodes.dtype.kind not in "iu"):
             raise ExportError(f"{where}: a recurrent recording needs {EPISODE_IDS} [{rows}]")
-        return cls(inputs, outputs, episodes if pairs else None, pairs,
-                   stored.record if isinstance(stored.record, dict) else {})
+        group = cls(inputs, outputs, episodes if pairs else None, pairs,
+                    stored.record if isinstance(stored.record, dict) else {})
+        group.judged = judged_outputs(stored.doc.get("contract") or {}, stored.contract, list(outputs), where)
+        return group
 
     def check(self, label: str, fmt, runner, replay, report) -> None:
         if fmt.capabilities.lossy:
@@ -172,16 +176,27 @@ class ReferenceGroup(ParityGroup):
         """A lossy format: its actions on the recorded rows against the recording, by the behavioural thresholds."""
         from policy_export.exporter.parity.behaviour import compare_behaviour
 
-        got = self._stepped(runner, max(BATCHES)) if self.state_pairs else self._rows(runner, _batch(
-            runner, self.inputs) or max(BATCHES), self.recorded_rows)
+        batch = _batch(runner, self.inputs)  # one pass, at the model's static batch or the largest of BATCHES
+        if self.state_pairs and batch not in (None, 1):
+            raise ExportError(f"{label}: a recurrent model of a static batch of {batch} is not stepped here")
+        got = self._stepped(runner, batch or max(BATCHES)) if self.state_pairs else \
+            self._rows(runner, batch or max(BATCHES), self.recorded_rows)
         keys = [k for k in replay.output_keys(fmt) if k in self.outputs]
-        report.behaviour.extend(compare_behaviour(f"{label} ({NAME})", self.outputs, got, keys, replay.action_space,
-                                                  replay.thresholds(fmt)))
+        judged = self.judged if self.judged is not None else judged_outputs({}, replay.contract, list(self.outputs))
+        checks = compare_behaviour(f"{label} ({NAME})", self.outputs, got, keys, replay.action_space,
+                                   replay.thresholds(fmt), judged=judged)
+        report.behaviour.extend(replace(c, extra={**c.extra, "against": "the recording"}) if c.metric == "agreement"
+                                else c for c in checks)
 
     # ------------------------------------------------------------------ replaying it
 
     def describe(self) -> list[str]:
-        replayed = f"; replayed {', '.join(self.replays)}" if self.replays else ""
+        ways = list(dict.fromkeys(self.replays.values()))
+        if len(ways) <= 1:
+            replayed = f"; replayed {ways[0]}" if ways else ""
+        else:  # formats differ (a Triton model that takes one sequence a request, say)
+            by_way = {w: [k for k, v in self.replays.items() if v == w] for w in ways}
+            replayed = "; replayed " + "; ".join(f"{w} ({', '.join(labels)})" for w, labels in by_way.items())
         if self.episode_ids is None:
             return [f"reference: {self.recorded_rows} recorded rows of {', '.join(self.outputs)}{replayed}"]
         episodes = len(np.unique(self.episode_ids))
@@ -197,14 +212,15 @@ class ReferenceGroup(ParityGroup):
         if self.state_pairs:
             size = 1 if batch is not None else max(BATCHES)
             got = self._stepped(runner, size if batch is None else batch)
-            self.replays = [f"episodes stepped {'one at a time' if (batch or size) == 1 else f'up to {size} a call'}"]
+            self.replays[label] = f"episodes stepped {'one at a time' if (batch or size) == 1 else f'up to {size} a call'}"
             self._compare(f"{label} (episodes)", got, tolerances, report)
             return
         if batch is not None:
-            self.replays = ["row by row" if batch == 1 else f"{batch} rows a call (the model's static batch)"]
+            self.replays[label] = "row by row" if batch == 1 else f"{batch} rows a call (the model's static batch)"
             self._compare(f"{label} ({NAME})", self._rows(runner, batch, self.recorded_rows), tolerances, report)
             return
-        self.replays = [f"{min(self.recorded_rows, ROW_BY_ROW) if s == 1 else self.recorded_rows} rows at batch {s}" for s in BATCHES]
+        self.replays[label] = ", ".join(f"{min(self.recorded_rows, ROW_BY_ROW) if s == 1 else self.recorded_rows} rows at "
+                                        f"batch {s}" for s in BATCHES)
         for size in BATCHES:
             count = min(self.recorded_rows, ROW_BY_ROW) if size == 1 else self.recorded_rows
             self._compare(f"{label} (batch {size})", self._rows(runner, size, count), tolerances, report, count)
@@ -262,6 +278,42 @@ class ReferenceGroup(ParityGroup):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def judged_outputs(record: Mapping[str, Any], contract, recorded: Sequence[str], where: str = "manifest") -> dict[str, Any]:
+    """The action outputs a lossy format is judged on, each with its space (a Box is judged on its
+    range, any other space by agreement; ``"identical"``: agreement without a space), from the
+    contract's ``spaces`` and ``actions`` (a policy exported elsewhere: its contract file). The
+    actions are those listed, else those given a space, else every recorded output; an action
+    without a space is a Box of the range the reference's own values span when it is a float,
+    else judged by agreement.
+
+    Raises:
+        ExportError: ``spaces`` or ``actions`` is malformed, or names an output not recorded.
+    """
+    import gymnasium as gym
+
+    from policy_export.policy.spaces import space_from_json
+
+    spaces_doc, actions = record.get("spaces") or {}, record.get("actions")
+    if not isinstance(spaces_doc, Mapping) or (actions is not None and (
+            not isinstance(actions, list) or not all(isinstance(a, str) for a in actions))):
+        raise ExportError(f"{where}: contract spaces must map names to spaces and actions list output names")
+    outputs = set(contract.output_keys)
+    spaces = {k: space_from_json(v, f"$.contract.spaces.{k}", where) for k, v in spaces_doc.items() if k in outputs}
+    chosen = list(actions) if actions is not None else (list(spaces) or list(recorded))
+    stray = [k for k in chosen if k not in recorded]
+    if stray:
+        raise ExportError(f"{where}: contract actions {stray} are not recorded outputs ({', '.join(recorded)})")
+    judged: dict[str, Any] = {}
+    for key in chosen:
+        if key in spaces:
+            judged[key] = spaces[key]
+        elif np.dtype(contract.output(key).dtype).kind == "f":
+            judged[key] = gym.spaces.Box(-np.inf, np.inf, shape=(), dtype=np.float64)
+        else:
+            judged[key] = "identical"
+    return judged
+
 
 def first_row(want: np.ndarray, got: np.ndarray, record: OutputParity) -> int:
     """The first row where ``got`` leaves the record's tolerance (or differs, for exact outputs)."""

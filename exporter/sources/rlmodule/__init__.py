@@ -15,7 +15,7 @@ from typing import Any
 
 from policy_export.errors import ExportError, InputError, UnsafeCheckpointError
 from policy_export.exporter.sources.base import (
-    CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Option, Source, check_values,
+    CHECKPOINT_OPTIONS, Inspection, Loaded, Opened, Option, Source, check_values, rllib_job_stem,
 )
 from policy_export.exporter.sources.safe_pickle import short_repr
 
@@ -34,6 +34,9 @@ class ModuleCheckpointSource(Source):
     shows_itself = True
     light_inspect = True
     options = (*CHECKPOINT_OPTIONS, FILTER_AGENT)
+
+    def job_stem(self, path: Path) -> str:
+        return rllib_job_stem(path)
 
     def detect(self, path: Path) -> bool:
         from policy_export.exporter.sources.rlmodule.reader import detect_layout

@@ -49,11 +49,21 @@ def check_reference_options(model: str | Path, opts: VerifyOptions) -> None:
         raise InputError(f"{given[0]} applies to an export, not to a model file checked against --reference")
 
 
-def ports(model: Path) -> tuple[list[Port], list[Port], list[str]]:
-    """The graph's inputs and outputs as it declares them, and the inputs it gives a default."""
+def model_contract(model: Path):
+    """The graph's inputs and outputs as it declares them (a :class:`~signatures.Contract`; the
+    model's metadata is not trusted for it), through the ONNX door first.
+
+    Raises:
+        ExportError: the file is refused by the ONNX door.
+    """
     from policy_export.exporter.formats.onnx.model import onnx_contract
 
-    contract = onnx_contract(model)
+    return onnx_contract(model, metadata=False)
+
+
+def ports(model: Path, contract=None) -> tuple[list[Port], list[Port], list[str]]:
+    """The graph's inputs and outputs as it declares them, and the inputs it gives a default."""
+    contract = contract if contract is not None else model_contract(model)
     inputs = [Port(s.key, s.dtype, tuple(s.shape)) for s in contract.inputs]
     outputs = [Port(s.key, s.dtype, tuple(s.shape)) for s in contract.outputs]
     return inputs, outputs, [s.key for s in contract.inputs if not s.required]
@@ -63,7 +73,7 @@ def verify_reference(model: str | Path, options: VerifyOptions | None = None, **
     """Check ``model`` against a recording (``reference=``; see the module's description); a
     :class:`~exporter.verify.VerifyResult` whose report has a record per compared output and
     replay. The options are a :class:`~exporter.options.VerifyOptions` or its fields as
-    keywords (``reference``, ``reference_names``, ``state_pairs``, ``tolerances``, ``device``,
+    keywords (``reference``, ``reference_names``, ``reference_state_pairs``, ``tolerances``, ``device``,
     ``run_timeout``, ``progress``)::
 
         verify_reference("policy.onnx", reference="reference.npz").passed
@@ -86,7 +96,7 @@ def verify_reference(model: str | Path, options: VerifyOptions | None = None, **
     recording = read_reference(opts.reference)  # and checked against the graph, before any stage is shown
     where = f"--reference {recording.path}"
     group = ReferenceGroup.make(recording.arrays, graph_in, graph_out, where, opts.reference_names,
-                                list((opts.state_pairs or {}).items()) or None, optional)
+                                list((opts.reference_state_pairs or {}).items()) or None, optional)
     group.record = recording.record
     tolerances = opts.tolerances or Tolerances()
     check_tolerance_keys(tolerances, [p.name for p in graph_out])
