@@ -34,15 +34,29 @@ def _tolerances(args, base=None):
 
 
 def _behaviour_option(args) -> dict:
-    """``--behaviour [FORMAT:]NAME=VALUE`` items as the API's ``behaviour`` overrides (only when given,
-    so that the API's defaults and the manifest's thresholds apply otherwise)."""
+    """``--behaviour [FORMAT:]NAME=VALUE`` items as the API's ``behaviour`` overrides (``None`` when
+    none is given, so that the API's defaults and the manifest's thresholds apply)."""
     from policy_export.exporter.parity.behaviour import parse_override
 
     overrides: dict[str, dict[str, float]] = {}
     for item in getattr(args, "behaviour", []) or []:
         fmt, name, value = parse_override(item)
         overrides.setdefault(fmt, {})[name] = value
-    return {"behaviour": overrides} if overrides else {}
+    return {"behaviour": overrides or None}
+
+
+# The declared options each command consumes itself, not as a field of its options object (those
+# are copied by core_options.from_parsed): what makes a field (the tolerances, the device plan),
+# where reports go, what is printed, and the signing requests. tests/test_declared_values.py fails
+# for a declared option that is neither.
+CONSUMED = {
+    "export": {"atol", "rtol", "tolerance", "allow_non_finite", "allow_tf32", "report_json", "junit",
+               "allow_partial", "quiet", "verbose", "sign_key", "sign_key_password_env", "signing_certificate",
+               "certificate_chain", "sign_keyless", "signature_file"},
+    "verify": {"candidate", "atol", "rtol", "tolerance", "allow_non_finite", "allow_tf32", "report_json", "junit",
+               "quiet", "verbose", "public_key", "certificate_chain", "identity", "identity_issuer", "signature_file"},
+    "rollout": {"env", "allow_tf32", "report_json"},
+}
 
 
 def _check_report_paths(args, export_dir: str | None = None) -> None:
@@ -141,20 +155,36 @@ def _formats_option(text: str | None) -> list[str] | None:
     return None if text is None else [f.strip() for f in text.split(",") if f.strip()]
 
 
-def _export_options(args):
+def export_options(args):
     """The export's own options (core: not a source's) from the command line, checked (no TensorFlow)."""
     from policy_export.exporter.options import ExportOptions
 
+    from policy_export.exporter import core_options as core
+
     given = args.atol is not None or args.rtol is not None or args.tolerance or args.allow_non_finite
-    return ExportOptions(formats=_formats_option(args.formats), opset=args.opset, samples=args.samples,
-                         reference=args.reference, reference_names=args.reference_names,
-                         reference_state_pairs=args.reference_state_pairs, contract_file=args.contract_file,
-                         seed=args.seed, tolerances=_tolerances(args) if given else None, overwrite=args.overwrite,
-                         explore_samples=args.explore_samples, inputs_as_nchw=args.inputs_as_nchw,
-                         external_data_threshold=args.external_data_threshold, progress=args.progress,
-                         run_timeout=args.run_timeout, model_name=getattr(args, "model_name", None),
-                         model_version=getattr(args, "model_version", 1), observations=args.observations,
-                         **_behaviour_option(args))
+    return core.from_parsed(ExportOptions, args, core.EXPORT + core.format_options(),
+                            formats=_formats_option(args.formats), tolerances=_tolerances(args) if given else None,
+                            progress=args.progress, **_behaviour_option(args))
+
+
+def verify_options(args, tolerances=None):
+    """``verify``'s options from the command line (``tolerances``: the export's, which the flags
+    change), checked (no TensorFlow)."""
+    from policy_export.exporter import core_options as core
+    from policy_export.exporter.options import VerifyOptions
+    from policy_export.exporter.parity.replay import parse_candidates
+
+    return core.from_parsed(VerifyOptions, args, core.VERIFY, tolerances=_tolerances(args, tolerances),
+                            candidates=parse_candidates(args.candidate), progress=args.progress,
+                            **_behaviour_option(args))
+
+
+def rollout_options(args):
+    """``rollout``'s options from the command line, checked (no TensorFlow)."""
+    from policy_export.exporter import core_options as core
+    from policy_export.exporter.options import RolloutOptions
+
+    return core.from_parsed(RolloutOptions, args, core.ROLLOUT, formats=_formats_option(args.formats))
 
 
 def _source_values(args) -> dict:
@@ -171,7 +201,7 @@ def cmd_export(args, console) -> int:
     from policy_export.exporter.foreign import is_model_file
 
     start = time.perf_counter()
-    opts = _export_options(args)  # every cheap check first: bad input fails before TensorFlow loads
+    opts = export_options(args)  # every cheap check first: bad input fails before TensorFlow loads
     _check_report_paths(args, args.out)
     sign_to = _sign_request(args)
     if is_model_file(args.source):
@@ -331,9 +361,7 @@ def _partial_status(console, result, args) -> int:
 def cmd_verify(args, console) -> int:
     from policy_export.exporter.foreign import is_model_file
     from policy_export.exporter.manifest import read_manifest
-    from policy_export.exporter.options import VerifyOptions
     from policy_export.exporter.parity.compare import Tolerances
-    from policy_export.exporter.parity.replay import parse_candidates
 
     if is_model_file(args.out):
         return _verify_model_file(args, console)
@@ -343,13 +371,7 @@ def cmd_verify(args, console) -> int:
         raise InputError(f"--reference checks a model file (MODEL.onnx) against a recording; {args.out} is an export "
                          "(its stored plan is replayed: verify OUT)")
     doc = read_manifest(Path(args.out))  # read once: verify takes it as read
-    opts = VerifyOptions(samples=args.samples, seed=args.seed,
-                         tolerances=_tolerances(args, Tolerances.from_json(doc["tolerances"])),
-                         expect_manifest_sha256=args.expect_manifest_sha256,
-                         candidates=parse_candidates(args.candidate), localize=args.localize,
-                         progress=args.progress, run_timeout=args.run_timeout, server=args.server,
-                         observations=args.observations,
-                         **_behaviour_option(args))
+    opts = verify_options(args, Tolerances.from_json(doc["tolerances"]))
     _check_report_paths(args, args.out)
     _observations_fit(opts.observations, doc)  # a file of another shape: refused before TensorFlow loads
     signature = _signature_request(args)
@@ -411,15 +433,9 @@ def _verify_outcome(args, console, result, built: bool, signed: dict, candidates
 def _verify_model_file(args, console) -> int:
     """``verify MODEL.onnx --reference REF.npz``: a model exported elsewhere against its framework's recording."""
     from policy_export.exporter.foreign import check_reference_options, verify_reference
-    from policy_export.exporter.options import VerifyOptions
-    from policy_export.exporter.parity.replay import parse_candidates
     from policy_export.exporter.reports import print_verdict, record_problems
 
-    opts = VerifyOptions(tolerances=_tolerances(args), progress=args.progress, run_timeout=args.run_timeout,
-                         reference=args.reference, reference_names=args.reference_names,
-                         reference_state_pairs=args.reference_state_pairs, candidates=parse_candidates(args.candidate),
-                         expect_manifest_sha256=args.expect_manifest_sha256, server=args.server,
-                         observations=args.observations, localize=args.localize, samples=args.samples)
+    opts = verify_options(args)
     check_reference_options(args.out, opts)
     if _signature_request(args) is not None:
         from policy_export.errors import InputError
@@ -613,14 +629,13 @@ def _emit_policy_reports(args, reports_by_policy: dict, paths: dict, signatures:
 def cmd_rollout(args, console) -> int:
     from policy_export.exporter.manifest import read_manifest
 
-    from policy_export.exporter.options import RolloutOptions, replace
+    from policy_export.exporter.options import replace
 
     from policy_export.exporter.core_options import ROLLOUT_ENV
     from policy_export.exporter.rollout import check_environment
 
     doc = read_manifest(Path(args.out))  # read once: the rollout takes it as read
-    opts = RolloutOptions(episodes=args.episodes, seed=args.seed, formats=_formats_option(args.formats),
-                          return_tolerance=args.return_tolerance, run_timeout=args.run_timeout)
+    opts = rollout_options(args)
     _check_report_paths(args, args.out)
     check_environment(doc, ROLLOUT_ENV.check(args.env), args.out)  # before TensorFlow loads
     _heavy_imports(args)

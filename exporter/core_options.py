@@ -418,6 +418,29 @@ def add(parser: Any, options: Sequence[Option]) -> None:
             option.add_to(parser, keep_default=True)
 
 
+def format_options() -> tuple[Option, ...]:
+    """Every option a format declares (each once: triton and tf_serving share theirs)."""
+    found: dict[int, Option] = {}
+    for fmt in registry.all_formats():
+        for option in fmt.options:
+            found.setdefault(id(option), option)
+    return tuple(found.values())
+
+
+def from_parsed(cls: type, args: Any, options: Sequence[Option], **made: Any) -> Any:
+    """An options object of ``cls`` (``ExportOptions``, ``VerifyOptions``, ``RolloutOptions``) made
+    from the parsed command line ``args``: every declaration of ``options`` that is a field of
+    ``cls`` takes its flag's value, then ``made`` adds (or replaces) the fields the command line
+    makes from several flags or converts (``tolerances`` from ``--atol``, ``--rtol``, ...). A
+    declared flag is never copied by hand, so none can be forgotten; the declarations that are no
+    field are what the command itself consumes (:data:`exporter.commands.CONSUMED`)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {o.name: getattr(args, o.name) for o in options if o.cli and o.name in fields and hasattr(args, o.name)}
+    return cls(**{**values, **made})
+
+
 def rules(options: Sequence[Option], fields: Sequence[str]) -> dict[str, Callable[[Any], Any]]:
     """The rules of the declarations of ``options`` that are ``fields`` of an options class, in
     the declarations' order: field -> the function that checks a value and returns it as kept."""
