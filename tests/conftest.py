@@ -55,7 +55,26 @@ def gpu_available() -> tuple[bool, str]:
     return True, ""
 
 
+# Modules whose subject is not the stack (TensorFlow, numpy, Ray, the runtimes' versions): what is
+# printed and how (width, pipes, progress, the verdict's layout), processes and signals, the
+# package's files and docs, the import contracts, the JavaScript clients' runtimes. Marked `once`:
+# CI runs them in its first run (the newest stack) and leaves them out of the second (RLlib's TF
+# stack), where every other not-slow test runs again. No test is left out of CI.
+ONCE = {
+    "test_width.py", "test_pipes.py", "test_progress.py", "test_verdict.py", "test_packaging.py",
+    "test_cheap_mistakes.py", "test_readme.py", "test_layers.py", "test_help_registries.py",
+    "test_declared_values.py", "test_js_clients.py", "test_many.py", "test_trust_staging.py",
+    "test_api_commands.py", "test_examples.py", "test_cli.py", "test_options.py", "test_early_refusals.py",
+    "test_many_hostile.py", "test_signing.py", "test_signing_files.py", "test_signing_many.py",
+    "test_spec_schema.py", "test_serve_front.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    once = pytest.mark.once
+    for item in items:
+        if item.path.name in ONCE:
+            item.add_marker(once)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     ok, reason = gpu_available()
@@ -217,5 +236,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not per_module:
         return
     terminalreporter.write_sep("-", "slowest 15 test modules (summed test time)")
-    for module, seconds in sorted(per_module.items(), key=lambda kv: -kv[1])[:15]:
+    ranked = sorted(per_module.items(), key=lambda kv: -kv[1])
+    for module, seconds in ranked[:15]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
+    every = os.environ.get("POLICY_EXPORT_MODULE_TIMES")  # a file for every module's time, to plan CI
+    if every:
+        Path(every).write_text("".join(f"{seconds:.1f} {module}\n" for module, seconds in ranked))

@@ -201,10 +201,9 @@ def _run_onnx_with_outputs(model, names: list[str], typed: Mapping[str, Any], fe
     for name in names:
         if name not in present:
             probe.graph.output.append(typed[name])
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    from policy_export.exporter.sessions import inference_session
+
+    session = inference_session(probe.SerializeToString(), optimization="disable")  # every tensor kept
     inputs = {i.name for i in session.get_inputs()} | {i.name for i in session.get_overridable_initializers()}
     outputs = [o.name for o in session.get_outputs()]
     run_options = ort.RunOptions()

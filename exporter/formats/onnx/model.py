@@ -32,6 +32,7 @@ from policy_export.exporter.devices import DevicePlan
 from policy_export.exporter.formats.onnx.convert import names_read, onnx_models
 from policy_export.exporter.formats.onnx.trust import check_file, read_model
 from policy_export.exporter.protowire import header
+from policy_export.exporter.sessions import inference_session  # noqa: F401 (imported from here by users)
 from policy_export.exporter.formats.runner import Runner, TensorMeta
 from policy_export.policy import jsonio
 from policy_export.errors import ConversionError, ExportError
@@ -339,46 +340,6 @@ def contract_from_model(model: onnx.ModelProto) -> Contract | None:
     return None
 
 
-def inference_session(path: str | Path, providers: list[str] | None = None, threads: int | None = None,
-                      optimization: str = "all", provider_options: list[dict[str, str]] | None = None,
-                      prepack: bool = True):
-    """An ``onnxruntime.InferenceSession`` for an exported model, with the options that matter.
-
-    ``threads``: intra- and inter-op threads (``1`` gives the lowest latency for small policies
-    at small batches; ``None`` keeps ONNX Runtime's default, one per core). ``optimization``:
-    ``"disable"``, ``"basic"``, ``"extended"`` or ``"all"`` (graph optimisation level).
-    ``provider_options``: one dict per provider (e.g. ``DevicePlan.ort_provider_options()``, which
-    pins the CUDA provider's ``use_tf32``). ``prepack=False`` keeps ONNX Runtime from holding a
-    prepacked second copy of the weights.
-
-    Raises:
-        ExportError: an unknown optimisation level, or a file ONNX Runtime cannot load.
-    """
-    import onnxruntime as ort
-
-    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-    if optimization not in levels:
-        raise ExportError(f"unknown optimisation level {optimization!r}; choose {', '.join(levels)}")
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = levels[optimization]
-    if not prepack:  # prepacked weights are a second copy of them: parity trades a little speed for memory
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    if threads:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = threads
-    try:
-        providers = providers or ["CPUExecutionProvider"]
-        if provider_options is not None:
-            return ort.InferenceSession(str(path), options, providers=providers, provider_options=provider_options)
-        return ort.InferenceSession(str(path), options, providers=providers)
-    except Exception as e:  # onnxruntime raises its own exception types
-        raise ExportError(f"ONNX Runtime cannot load {path}: {e}") from e
-
-
 def ort_run(runner: Runner, session, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """``session.run(names, feeds)`` as a stoppable call of ``runner`` (:meth:`Runner.stoppable`):
     at the run limit or on a signal the run's own ``RunOptions.terminate`` is set, which ONNX
@@ -454,12 +415,8 @@ class OnnxRunner(Runner):
         cut = self._head
         if cut is None:
             return None
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(cut.SerializeToString(), options, providers=self.providers,
-                                       provider_options=[self.provider_options.get(p, {}) for p in self.providers])
+        session = inference_session(cut.SerializeToString(), providers=self.providers,
+                                    provider_options=[self.provider_options.get(p, {}) for p in self.providers])
         names = [o.name for o in session.get_outputs()]
         return lambda feeds: dict(zip(names, ort_run(self, session, names, {k: np.asarray(v) for k, v in feeds.items()})))
 
