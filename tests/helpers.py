@@ -154,3 +154,21 @@ def descendants(pid: int) -> list[int]:
                 found.append(int(entry.name))
                 todo.append(int(entry.name))
     return found
+
+
+def bypass_normaliser(model):
+    """The consumer of the observation normaliser (the element-wise ops between the ``obs`` input
+    and the first layer, against initializers) reads the raw observation instead."""
+    initializers = {i.name for i in model.graph.initializer}
+    value = model.graph.input[0].name
+    chain = value
+    while True:
+        nxt = [n for n in model.graph.node if chain in n.input and n.op_type in ("Sub", "Div", "Mul", "Add")
+               and all(i == chain or i in initializers for i in n.input)]
+        if not nxt:
+            break
+        chain = nxt[0].output[0]
+    assert chain != value, "no normaliser found"
+    for node in model.graph.node:
+        node.input[:] = [value if i == chain else i for i in node.input]
+    return model

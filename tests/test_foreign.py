@@ -19,7 +19,7 @@ import pytest
 from onnx import helper
 
 from conftest import ROOT
-from helpers import cli, one_line_error
+from helpers import bypass_normaliser, cli, one_line_error
 
 FOREIGN = ROOT / "fixtures/foreign"
 CASES = sorted(p.name for p in FOREIGN.iterdir() if (p / "case.json").is_file())
@@ -54,23 +54,6 @@ def _loaded(case: str) -> onnx.ModelProto:
     return onnx.load(str(_model(case)))  # with its external data, saved back as one file
 
 
-def _bypass_normaliser(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The consumer of the observation normaliser (the element-wise ops between the ``obs`` input
-    and the first layer, against initializers) reads the raw observation instead."""
-    initializers = {i.name for i in model.graph.initializer}
-    value = model.graph.input[0].name
-    chain = value
-    while True:
-        nxt = [n for n in model.graph.node if chain in n.input and n.op_type in ("Sub", "Div", "Mul", "Add")
-               and all(i == chain or i in initializers for i in n.input)]
-        if not nxt:
-            break
-        chain = nxt[0].output[0]
-    assert chain != value, "no normaliser found"
-    for node in model.graph.node:
-        node.input[:] = [value if i == chain else i for i in node.input]
-    return model
-
 
 def _scaled(model: onnx.ModelProto, output: str, factor: float = 1.1) -> onnx.ModelProto:
     inner = output + "_unscaled"
@@ -103,7 +86,7 @@ def _state_not_carried(model: onnx.ModelProto, pairs: dict[str, str]) -> onnx.Mo
 
 
 FAULTS = {
-    "the normaliser bypassed": ("rsl_rl_mlp", _bypass_normaliser, "actions"),
+    "the normaliser bypassed": ("rsl_rl_mlp", bypass_normaliser, "actions"),
     "the action scale changed": ("rsl_rl_mlp", lambda m: _scaled(m, "actions"), "actions"),
     "a dynamic batch answering with row 0": ("torch_lstm_script", lambda m: _row_zero(m, "actions"), "actions"),
     "the recurrent state not fed back": ("rsl_rl_lstm", lambda m: _state_not_carried(m, {"h_in": "h_out",

@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 from conftest import ROOT
-from helpers import cli, one_line_error, resign
+from helpers import bypass_normaliser, cli, one_line_error, resign
 
 FOREIGN = ROOT / "fixtures/foreign"
 CASES = sorted(p.name for p in FOREIGN.iterdir() if (p / "case.json").is_file())
@@ -179,23 +179,9 @@ def test_a_recording_that_does_not_fit_is_refused_and_nothing_is_written(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-def _bypass_normaliser(model: onnx.ModelProto) -> onnx.ModelProto:
-    initializers = {i.name for i in model.graph.initializer}
-    value = chain = model.graph.input[0].name
-    while True:
-        nxt = [n for n in model.graph.node if chain in n.input and n.op_type in ("Sub", "Div", "Mul", "Add")
-               and all(i == chain or i in initializers for i in n.input)]
-        if not nxt:
-            break
-        chain = nxt[0].output[0]
-    for node in model.graph.node:
-        node.input[:] = [value if i == chain else i for i in node.input]
-    return model
-
-
 def test_a_model_that_differs_from_its_recording_is_not_exported(tmp_path):
     broken = tmp_path / "policy.onnx"
-    onnx.save(_bypass_normaliser(onnx.load(str(_model("rsl_rl_mlp")))), str(broken))
+    onnx.save(bypass_normaliser(onnx.load(str(_model("rsl_rl_mlp")))), str(broken))
     report = tmp_path / "report.json"
     done = cli("export", str(broken), "--reference", str(_reference("rsl_rl_mlp")), "--out", str(tmp_path / "o"),
                "--report-json", str(report), "-q")
@@ -213,7 +199,7 @@ def test_verify_replays_the_stored_recording_and_catches_a_swapped_model(tmp_pat
 
     out = tmp_path / "out"
     _export("rsl_rl_mlp", out, formats=["onnx"])
-    onnx.save(_bypass_normaliser(onnx.load(str(out / "model.onnx"))), str(out / "model.onnx"))
+    onnx.save(bypass_normaliser(onnx.load(str(out / "model.onnx"))), str(out / "model.onnx"))
     result = verify_export(out, device="cpu")
     assert not result.passed and result.file_problems  # the hash check first
     resign(out)
